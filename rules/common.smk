@@ -1,0 +1,106 @@
+import glob
+import json
+import os
+import re
+
+from snakemake.utils import validate
+
+
+validate(config, "../config/schema.yaml")
+
+R = config["results"]
+PKG = "dflash-pipeline"  # the project's command; every rule calls one of its stages
+DATASETS = ["source", "regenerated"]
+ENV_CPU = "../envs/cpu.yaml"
+ENV_GPU = "../envs/gpu.yaml"
+
+
+wildcard_constraints:
+    src=r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*?",
+    shard=r"[A-Za-z0-9_.-]+-\d{5}",
+    dataset="|".join(DATASETS),
+
+
+def _source_name(path):
+    name = os.path.basename(path.rstrip("/"))
+    name = re.sub(r"(\.(json|jsonl|gz|zst))+$", "", name)
+    return re.sub(r"[^A-Za-z0-9_.]+", "_", name) or "input"
+
+
+def _expand_inputs(patterns):
+    """Config `inputs` (paths, globs, s3:// URIs) -> {source name: path}, names unique and stable."""
+    paths = []
+    for pattern in patterns:
+        if pattern.startswith("s3://") or not glob.has_magic(pattern):
+            paths.append(pattern)
+        else:
+            matched = sorted(glob.glob(pattern))
+            if not matched:
+                raise WorkflowError(f"config inputs: glob {pattern!r} matches no file")
+            paths.extend(matched)
+    sources = {}
+    for path in paths:
+        name = base = _source_name(path)
+        i = 1
+        while name in sources:
+            i += 1
+            name = f"{base}_{i}"
+        sources[name] = path
+    return sources
+
+
+RAW_INPUTS = _expand_inputs(config["inputs"])
+
+
+def raw_input(wildcards):
+    path = RAW_INPUTS[wildcards.src]
+    # s3:// inputs go through the S3 storage plugin; local ones are plain paths
+    return storage.s3(path) if path.startswith("s3://") else path
+
+
+def target_model_files():
+    """Files that make the target model an input, so demo jobs wait for the rule that builds it."""
+    if config["demo"]["enabled"]:
+        return [os.path.join(config["target"]["model_path"], "config.json")]
+    return []
+
+
+def target_model_dir(input_files):
+    """The model directory as a job sees it (a storage-local copy when inputs come from S3)."""
+    if config["demo"]["enabled"]:
+        return os.path.dirname(str(input_files[0]))
+    return config["target"]["model_path"]
+
+
+def manifest():
+    with checkpoints.manifest.get().output.manifest.open() as fh:
+        return json.load(fh)
+
+
+def shard_ids():
+    return [s["shard"] for s in manifest()["shards"]]
+
+
+def training_dataset():
+    """Which token files feed extraction: the target's own regenerated responses, or the originals."""
+    return "regenerated" if config["generate"]["enabled"] else "source"
+
+
+def log(name):
+    return os.path.join(R, "logs", name + ".log")
+
+
+def bench(name):
+    return os.path.join(R, "benchmarks", name + ".tsv")
+
+
+_FINAL_TARGETS = []
+
+
+def add_final_target(fn):
+    """Stages register what `rule all` must build; called once per included rule file."""
+    _FINAL_TARGETS.append(fn)
+
+
+def final_targets():
+    return lambda wildcards: [path for fn in _FINAL_TARGETS for path in fn()]

@@ -1,0 +1,27 @@
+# The demo's raw data and tiny target are built by rules, so a fresh clone needs no download.
+
+if config["demo"]["enabled"]:
+
+    rule demo_data:
+        output:
+            [path for path in RAW_INPUTS.values() if path.startswith("data/demo/")],
+        params:
+            records=config["demo"]["records"],
+            placeholder_rate=config["demo"]["placeholder_rate"],
+        log:
+            log("demo_data"),
+        conda:
+            ENV_CPU
+        shell:
+            "{PKG} demo-data --out data/demo --records {params.records} "
+            "--placeholder-rate {params.placeholder_rate} > {log} 2>&1"
+
+    rule tiny_target:
+        output:
+            config=os.path.join(config["target"]["model_path"], "config.json"),
+        log:
+            log("tiny_target"),
+        conda:
+            ENV_CPU
+        shell:
+            "{PKG} tiny-model --out $(dirname {output.config}) > {log} 2>&1"

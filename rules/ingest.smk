@@ -1,0 +1,62 @@
+# Ingest: one job per raw file (so a change to one file redoes only its shards), then one checkpoint
+# that deduplicates across files and writes the shard manifest, then one cheap job per shard.
+
+
+rule ingest:
+    input:
+        raw_input,
+    output:
+        records=os.path.join(R, "ingest/files/{src}.parquet"),
+        stats=os.path.join(R, "ingest/files/{src}.stats.json"),
+        quarantine=os.path.join(R, "ingest/files/{src}.quarantine.jsonl"),
+    params:
+        on_corrupt=config["ingest"]["on_corrupt"],
+        max_record_bytes=config["ingest"]["max_record_bytes"],
+        name=lambda wc: RAW_INPUTS[wc.src],
+    log:
+        log("ingest/{src}"),
+    benchmark:
+        bench("ingest/{src}")
+    conda:
+        ENV_CPU
+    shell:
+        "{PKG} ingest --input {input} --name {params.name:q} --out {output.records} --stats {output.stats} "
+        "--quarantine {output.quarantine} --on-corrupt {params.on_corrupt} "
+        "--max-record-bytes {params.max_record_bytes} > {log} 2>&1"
+
+
+checkpoint manifest:
+    input:
+        stats=expand(os.path.join(R, "ingest/files/{src}.stats.json"), src=sorted(RAW_INPUTS)),
+        records=expand(os.path.join(R, "ingest/files/{src}.parquet"), src=sorted(RAW_INPUTS)),
+    output:
+        manifest=os.path.join(R, "ingest/manifest.json"),
+    params:
+        shard_size=config["ingest"]["shard_size"],
+    log:
+        log("manifest"),
+    conda:
+        ENV_CPU
+    shell:
+        "{PKG} manifest --records {input.records} --stats {input.stats} --shard-size {params.shard_size} "
+        "--out {output.manifest} > {log} 2>&1"
+
+
+def _shard_entry(wildcards):
+    return next(s for s in manifest()["shards"] if s["shard"] == wildcards.shard)
+
+
+rule shard:
+    input:
+        records=lambda wc: os.path.join(R, f"ingest/files/{_shard_entry(wc)['src']}.parquet"),
+    output:
+        os.path.join(R, "ingest/shards/{shard}.parquet"),
+    params:
+        # only this shard's slice of the manifest is a parameter: another file's change does not touch it
+        spec=lambda wc: json.dumps(_shard_entry(wc), sort_keys=True),
+    log:
+        log("shard/{shard}"),
+    conda:
+        ENV_CPU
+    shell:
+        "{PKG} shard --records {input.records} --spec {params.spec:q} --out {output} > {log} 2>&1"

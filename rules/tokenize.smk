@@ -1,0 +1,32 @@
+# Tokenize a shard with the target's chat template and an assistant-only loss mask, plus its audit.
+
+
+def _conversations(wildcards):
+    if wildcards.dataset == "source":
+        return os.path.join(R, f"ingest/shards/{wildcards.shard}.parquet")
+    return os.path.join(R, f"completions/{wildcards.shard}.parquet")
+
+
+rule tokenize:
+    input:
+        conversations=_conversations,
+        model=target_model_files(),
+    output:
+        tokens=os.path.join(R, "tokens/{dataset}/{shard}.parquet"),
+        audit=os.path.join(R, "tokens/{dataset}/{shard}.audit.json"),
+    params:
+        model=lambda wc, input: target_model_dir(input.model),
+        max_length=config["tokenize"]["max_length"],
+        thinking="--enable-thinking" if config["tokenize"]["enable_thinking"] else "--no-enable-thinking",
+        batch_size=config["tokenize"]["batch_size"],
+        trivial=config["audit"]["trivial_response_tokens"],
+    log:
+        log("tokenize/{dataset}/{shard}"),
+    benchmark:
+        bench("tokenize/{dataset}/{shard}")
+    conda:
+        ENV_CPU
+    shell:
+        "{PKG} tokenize --input {input.conversations} --model {params.model} --out {output.tokens} "
+        "--audit {output.audit} --max-length {params.max_length} {params.thinking} "
+        "--batch-size {params.batch_size} --trivial-tokens {params.trivial} > {log} 2>&1"

@@ -1,0 +1,101 @@
+"""The normalized conversation: what every stage after ingest reads.
+
+A sample is `{"sample_id", "source", "source_id", "messages": [{"role", "content", "reasoning_content"}]}`
+with role in {system, user, assistant}; `reasoning_content` is the assistant's thinking (None if absent).
+Ingested shards and completion shards share this Parquet schema (completions add generation columns).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pyarrow as pa
+
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+MESSAGE_TYPE = pa.struct(
+    [("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())]
+)
+
+SAMPLE_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("source", pa.string()),
+        ("source_id", pa.string()),
+        ("messages", pa.list_(MESSAGE_TYPE)),
+    ]
+)
+
+
+class RecordRejected(ValueError):
+    """A record that is quarantined; the message is the reason."""
+
+
+def normalize_record(record) -> tuple[str | None, list[dict]]:
+    """(original id, normalized messages) of a ShareGPT or OpenAI-messages record, or RecordRejected."""
+    if not isinstance(record, dict):
+        raise RecordRejected(f"record is a {type(record).__name__}, not an object")
+    if "conversations" in record:
+        turns, role_key, text_key = record["conversations"], "from", "value"
+    elif "messages" in record:
+        turns, role_key, text_key = record["messages"], "role", "content"
+    else:
+        raise RecordRejected("no 'conversations' or 'messages' field")
+    if not isinstance(turns, list):
+        raise RecordRejected(f"conversation is a {type(turns).__name__}, not a list")
+    if not turns:
+        raise RecordRejected("empty conversation")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise RecordRejected(f"turn {i} is a {type(turn).__name__}, not an object")
+        raw_role = turn.get(role_key, turn.get("role", turn.get("from")))
+        if not isinstance(raw_role, str):
+            raise RecordRejected(f"turn {i} has no role")
+        role = ROLE_MAP.get(raw_role.strip().lower())
+        if role is None:
+            raise RecordRejected(f"turn {i} has unknown role {raw_role!r}")
+        text = turn.get(text_key, turn.get("content", turn.get("value")))
+        if not isinstance(text, str):
+            raise RecordRejected(f"turn {i} ({raw_role}) has no text (got {type(text).__name__})")
+        reasoning = turn.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise RecordRejected(f"turn {i} has a non-string reasoning_content")
+        if role == "system" and i != 0:
+            raise RecordRejected(f"system turn at position {i}; only the first turn may be a system prompt")
+        messages.append({"role": role, "content": text, "reasoning_content": reasoning})
+    if not any(m["role"] == "user" for m in messages):
+        raise RecordRejected("no user turn")
+    raw_id = record.get("id")
+    return (None if raw_id is None else str(raw_id)), messages
+
+
+def sample_id(messages: list[dict]) -> str:
+    """Stable content hash of the normalized messages: same conversation, same id, in any file."""
+    canonical = json.dumps(
+        [[m["role"], m["content"], m.get("reasoning_content")] for m in messages],
+        ensure_ascii=False,
+        separators=(",", ":"),
+    )
+    return hashlib.blake2b(canonical.encode("utf-8"), digest_size=12).hexdigest()
+
+
+def prompt_messages(messages: list[dict]) -> list[dict]:
+    """The conversation up to (not including) its first assistant turn: what generation starts from."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            break
+        out.append(m)
+    return out

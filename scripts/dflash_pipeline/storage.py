@@ -1,0 +1,153 @@
+"""Local paths and s3:// URIs behind one small interface, and atomic writes.
+
+Outputs are always written to a temporary name in the destination directory and renamed into place
+after fsync, so a killed job never leaves a file that a rerun mistakes for complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Iterator
+
+
+def is_s3(uri: str) -> bool:
+    return str(uri).startswith("s3://")
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    bucket, _, key = str(uri)[len("s3://"):].partition("/")
+    return bucket, key
+
+
+def s3_client():
+    """A boto3 client; credentials come from the environment or the AWS config, never from our config.
+
+    `AWS_ENDPOINT_URL` (or `SNAKEMAKE_STORAGE_S3_ENDPOINT_URL`) points it at an S3-compatible server.
+    """
+    import boto3
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("SNAKEMAKE_STORAGE_S3_ENDPOINT_URL")
+    kwargs = {"endpoint_url": endpoint} if endpoint else {}
+    key = os.environ.get("SNAKEMAKE_STORAGE_S3_ACCESS_KEY")
+    secret = os.environ.get("SNAKEMAKE_STORAGE_S3_SECRET_KEY")
+    if key and secret and not os.environ.get("AWS_ACCESS_KEY_ID"):
+        kwargs.update(aws_access_key_id=key, aws_secret_access_key=secret)
+    return boto3.client("s3", **kwargs)
+
+
+def open_binary(uri: str) -> IO[bytes]:
+    """A readable binary stream over a local file or an S3 object (streamed, not downloaded first)."""
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        body = s3_client().get_object(Bucket=bucket, Key=key)["Body"]
+        return io.BufferedReader(_RawStream(body), buffer_size=1 << 20)
+    return open(uri, "rb")
+
+
+class _RawStream(io.RawIOBase):
+    def __init__(self, body):
+        self._body = body
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self._body.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._body.close()
+        super().close()
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success fsync it and rename it over `path`."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=f".tmp{suffix}", dir=final.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    os.chmod(tmp_path, 0o666 & ~_umask())
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_path, final)
+        _fsync_dir(final.parent)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs) -> Iterator[IO]:
+    with atomic_path(path) as tmp, open(tmp, mode, **kwargs) as fh:
+        yield fh
+
+
+def write_json(path: str | os.PathLike, obj, indent: int | None = 2) -> None:
+    with atomic_open(path, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=indent, sort_keys=False, default=_json_default)
+        fh.write("\n")
+
+
+def read_json(path: str | os.PathLike):
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _json_default(obj):
+    try:
+        import numpy as np
+
+        if isinstance(obj, np.integer):
+            return int(obj)
+        if isinstance(obj, np.floating):
+            return float(obj)
+        if isinstance(obj, np.ndarray):
+            return obj.tolist()
+    except ImportError:  # pragma: no cover
+        pass
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary directory beside `path`; on success replace `path` with it in one rename."""
+    import shutil
+
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
