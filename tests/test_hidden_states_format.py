@@ -1,0 +1,255 @@
+"""The hidden-state shard format: round trips, random access, damage detection, resume, streaming, S3."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_pipeline import hidden_states_format as hsf
+from dflash_pipeline.hidden_states_format import (
+    HiddenStateShardReader,
+    HiddenStateShardWriter,
+    ShardFormatError,
+    iter_shard_samples,
+)
+
+META = {"target_layer_ids": [1, 3, 5], "hidden_size": 32, "num_layers": 8, "model_path": "m"}
+
+
+def _samples(n=7, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        t = 5 + 13 * i % 41
+        # hidden-state-like values: mostly small with a few large outliers
+        h = torch.randn(t, 3, 32, generator=g) * torch.exp(torch.randn(t, 3, 1, generator=g))
+        h[:, :, 7] *= 50
+        out.append({
+            "sample_id": f"s{i:03d}",
+            "input_ids": torch.randint(0, 150000, (t,), generator=g).numpy().astype(np.int32),
+            "loss_mask": (torch.rand(t, generator=g) > 0.4).numpy().astype(np.uint8),
+            "hidden": h.to(dtype),
+        })
+    return out
+
+
+def _write(path, samples, **kw):
+    with HiddenStateShardWriter(path, META, **kw) as w:
+        for s in samples:
+            w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden"])
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_lossless_round_trip_is_bit_exact(tmp_path, codec, dtype):
+    tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    samples = _samples(dtype=tdt)
+    # special values survive too
+    samples[0]["hidden"][0, 0, :4] = torch.tensor([float("inf"), float("-inf"), -0.0, float("nan")])
+    path = tmp_path / f"a{hsf.FILE_EXTENSION}"
+    _write(path, samples, codec=codec, dtype=dtype)
+    r = HiddenStateShardReader(path)
+    assert len(r) == len(samples)
+    assert r.sample_ids == [s["sample_id"] for s in samples]
+    assert r.metadata["target_layer_ids"] == [1, 3, 5] and r.metadata["dtype"] == dtype
+    assert r.metadata["model_path"] == "m" and r.metadata["num_layers"] == 8
+    for s, got in zip(samples, r):
+        assert got["sample_id"] == s["sample_id"]
+        assert got["input_ids"].dtype == np.int32 and np.array_equal(got["input_ids"], s["input_ids"])
+        assert got["loss_mask"].dtype == np.uint8 and np.array_equal(got["loss_mask"], s["loss_mask"])
+        assert got["hidden"].dtype == tdt and got["hidden"].shape == s["hidden"].shape
+        bits = torch.int16 if dtype == "bfloat16" else torch.int32
+        assert torch.equal(got["hidden"].view(bits), s["hidden"].view(bits))  # bit-exact, NaN included
+    assert not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob("*.journal"))
+
+
+def test_zstd_planes_compress_and_fp8_is_close(tmp_path):
+    samples = _samples(n=4)
+    sizes = {}
+    for codec in ["raw", "zstd", "fp8"]:
+        p = tmp_path / f"{codec}.dfhs"
+        _write(p, samples, codec=codec, level=3)
+        sizes[codec] = os.path.getsize(p)
+    assert sizes["zstd"] < 0.85 * sizes["raw"]
+    assert sizes["fp8"] < 0.6 * sizes["raw"]
+    r = HiddenStateShardReader(tmp_path / "fp8.dfhs")
+    for s, got in zip(samples, r):
+        ref = s["hidden"].float()
+        err = (got["hidden"].float() - ref).abs()
+        assert got["hidden"].dtype == torch.bfloat16
+        # e4m3 has 3 mantissa bits: relative error per element <= 1/16 of the row scale's power of two
+        rowmax = ref.abs().amax(-1, keepdim=True)
+        assert bool((err <= rowmax / 448 * 16 + 0.07 * ref.abs()).all())
+        assert np.array_equal(got["input_ids"], s["input_ids"])
+
+
+def test_split_planes_inverse_and_exponent_plane():
+    x = torch.randn(1000).to(torch.bfloat16)
+    bits = x.view(torch.int16).numpy().view(np.uint16)
+    planes = hsf.split_planes(bits)
+    assert planes.shape == (2, 1000)
+    assert np.array_equal(hsf.merge_planes(planes, np.uint16), bits)
+    # the top plane holds exactly the 8 exponent bits
+    assert np.array_equal(planes[1], ((bits >> 7) & 0xFF).astype(np.uint8))
+
+
+def test_random_access_reads_only_that_record(tmp_path):
+    samples = _samples(n=9)
+    path = tmp_path / "a.dfhs"
+    _write(path, samples, codec="zstd")
+    r = HiddenStateShardReader(path)
+    # damage every record except #5: reading #5 must still work
+    data = bytearray(path.read_bytes())
+    for i in range(len(r)):
+        if i != 5:
+            data[r._offsets[i] + 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    r = HiddenStateShardReader(path)
+    got = r.read(5)
+    assert torch.equal(got["hidden"].view(torch.int16), samples[5]["hidden"].view(torch.int16))
+    assert r.read(r.index_of("s005"))["sample_id"] == "s005"
+    with pytest.raises(ShardFormatError, match="s004.*checksum"):
+        r.read(4)
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd", "fp8"])
+def test_corruption_detected(tmp_path, codec):
+    path = tmp_path / "a.dfhs"
+    _write(path, _samples(n=3), codec=codec)
+    r = HiddenStateShardReader(path)
+    off, n = r._offsets[1], r._lengths[1]
+    r.close()
+    data = bytearray(path.read_bytes())
+    data[off + n // 2] ^= 0x10  # one bit
+    path.write_bytes(bytes(data))
+    r = HiddenStateShardReader(path)
+    r.read(0), r.read(2)
+    with pytest.raises(ShardFormatError, match="checksum mismatch"):
+        r.read(1)
+    with pytest.raises(ShardFormatError):
+        r.verify_all()
+
+
+def test_truncation_and_garbage_detected(tmp_path):
+    path = tmp_path / "a.dfhs"
+    _write(path, _samples(n=3))
+    full = path.read_bytes()
+    for cut in [len(full) - 1, len(full) - 40, len(full) // 2, 100, 10]:
+        path.write_bytes(full[:cut])
+        with pytest.raises(ShardFormatError, match="truncated|too short|footer|index"):
+            HiddenStateShardReader(path)
+    path.write_bytes(b"PAR1" + full[4:])
+    with pytest.raises(ShardFormatError, match="magic"):
+        HiddenStateShardReader(path)
+    # a damaged index is caught by its checksum
+    data = bytearray(full)
+    idx_off = struct.unpack("<Q", full[-32:-24])[0]
+    data[idx_off + 5] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardFormatError, match="index checksum"):
+        HiddenStateShardReader(path)
+
+
+def test_resume_after_kill_continues_from_last_flush(tmp_path):
+    samples = _samples(n=8)
+    path = tmp_path / "a.dfhs"
+    w = HiddenStateShardWriter(path, META, codec="zstd", resume=True)
+    for s in samples[:3]:
+        w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden"])
+    w.flush()
+    for s in samples[3:5]:  # written but never flushed: lost in the "kill"
+        w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden"])
+    w._fh.flush()
+    w.abort()
+    # a torn journal line from the kill is ignored
+    with open(str(path) + ".journal", "a") as fh:
+        fh.write("deadbeef {\"sample_ids\": [")
+    assert not path.exists()
+    w = HiddenStateShardWriter(path, META, codec="zstd", resume=True)
+    assert w.completed_ids == {"s000", "s001", "s002"}
+    for s in samples:
+        if s["sample_id"] not in w.completed_ids:
+            w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden"])
+    w.close()
+    r = HiddenStateShardReader(path)
+    assert r.sample_ids == [s["sample_id"] for s in samples]
+    for s, got in zip(samples, r):
+        assert torch.equal(got["hidden"].view(torch.int16), s["hidden"].view(torch.int16))
+    # different settings do not resume a partial file written with others
+    w = HiddenStateShardWriter(tmp_path / "b.dfhs", META, codec="zstd", resume=True)
+    w.add(**{k: samples[0][k] for k in ("sample_id", "input_ids", "loss_mask", "hidden")})
+    w.flush()
+    w.abort()
+    w = HiddenStateShardWriter(tmp_path / "b.dfhs", META, codec="raw", resume=True)
+    assert w.completed_ids == set()
+    w.abort()
+
+
+def test_iter_shard_samples_order_shuffle_prefetch(tmp_path):
+    a, b = _samples(n=5, seed=1), _samples(n=4, seed=2)
+    for s in b:
+        s["sample_id"] = "b" + s["sample_id"]
+    _write(tmp_path / "a.dfhs", a)
+    _write(tmp_path / "b.dfhs", b)
+    paths = [tmp_path / "a.dfhs", tmp_path / "b.dfhs"]
+    got = [s["sample_id"] for s in iter_shard_samples(paths, prefetch=2, workers=3)]
+    assert got == [s["sample_id"] for s in a + b]
+    s1 = [s["sample_id"] for s in iter_shard_samples(paths, seed=7, prefetch=3)]
+    s2 = [s["sample_id"] for s in iter_shard_samples(paths, seed=7, prefetch=1)]
+    assert s1 == s2 and sorted(s1) == sorted(got) and s1 != got
+    # an early break stops cleanly; a damaged shard raises in the consumer
+    it = iter_shard_samples(paths, prefetch=2)
+    next(it)
+    it.close()
+    (tmp_path / "b.dfhs").write_bytes((tmp_path / "b.dfhs").read_bytes()[:-3])
+    with pytest.raises(ShardFormatError):
+        list(iter_shard_samples(paths))
+
+
+def test_read_from_s3_with_ranged_gets(tmp_path, monkeypatch):
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        samples = _samples(n=4)
+        path = tmp_path / "a.dfhs"
+        _write(path, samples, codec="zstd")
+        s3 = boto3.client("s3", endpoint_url=endpoint)
+        s3.create_bucket(Bucket="hs-bucket")
+        s3.upload_file(str(path), "hs-bucket", "hidden/a.dfhs")
+        r = HiddenStateShardReader("s3://hs-bucket/hidden/a.dfhs")
+        got = r.read(2)
+        assert torch.equal(got["hidden"].view(torch.int16), samples[2]["hidden"].view(torch.int16))
+        ids = [s["sample_id"] for s in iter_shard_samples(["s3://hs-bucket/hidden/a.dfhs"], prefetch=2)]
+        assert ids == [s["sample_id"] for s in samples]
+        s3.put_object(Bucket="hs-bucket", Key="hidden/cut.dfhs", Body=path.read_bytes()[:-100])
+        with pytest.raises(ShardFormatError):
+            HiddenStateShardReader("s3://hs-bucket/hidden/cut.dfhs")
+    finally:
+        server.stop()
+
+
+def test_default_target_layer_ids_match_design():
+    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.target_layers import default_target_layer_ids, resolve_target_layer_ids
+
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert resolve_target_layer_ids({"target_layer_ids": [0, 2]}, 8) == [0, 2]
+    assert resolve_target_layer_ids({"num_layers": 3}, 36) == [1, 17, 33]
+    with pytest.raises(PipelineError, match="out of range"):
+        resolve_target_layer_ids({"target_layer_ids": [1, 8]}, 8)
+    with pytest.raises(PipelineError, match="increasing"):
+        resolve_target_layer_ids({"target_layer_ids": [3, 1]}, 8)
