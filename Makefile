@@ -17,7 +17,7 @@ $(BIN)/dflash-pipeline: pyproject.toml
 setup: $(BIN)/dflash-pipeline
 
 demo: setup
-	$(BIN)/snakemake --cores $(CORES) --profile profiles/local
+	PATH=$(CURDIR)/$(BIN):$$PATH snakemake --cores $(CORES) --profile profiles/local
 
 test: setup
 	$(BIN)/python -m pytest -q tests

@@ -2,6 +2,8 @@ import glob
 import json
 import os
 import re
+import shutil
+import sys
 
 from snakemake.utils import validate
 
@@ -9,7 +11,11 @@ from snakemake.utils import validate
 validate(config, "../config/schema.yaml")
 
 R = config["results"]
-PKG = "dflash-pipeline"  # the project's command; every rule calls one of its stages
+# The project's command; every rule calls one of its stages. When snakemake runs from a venv that is
+# not on PATH, use the command installed beside its interpreter.
+PKG = "dflash-pipeline"
+if shutil.which(PKG) is None and os.path.exists(os.path.join(os.path.dirname(sys.executable), PKG)):
+    PKG = os.path.join(os.path.dirname(sys.executable), PKG)
 DATASETS = ["source", "regenerated"]
 ENV_CPU = "../envs/cpu.yaml"
 ENV_GPU = "../envs/gpu.yaml"

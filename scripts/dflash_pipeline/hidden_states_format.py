@@ -160,6 +160,7 @@ class EncodedSample:
     sample_id: str
     num_tokens: int
     sections: list  # list of (payload bytes-like, raw_length)
+    crc32: int = -1  # of the stored bytes; computed by encode() so that worker threads share the work
 
 
 class Codec:
@@ -221,7 +222,8 @@ class Codec:
             q, s = fp8
             s = np.ascontiguousarray(s, dtype=np.float32)
             sections = [(s, s.nbytes), self._maybe_compress(np.ascontiguousarray(q))]
-        return EncodedSample(str(sample_id), t, sections + tail)
+        sections = sections + tail
+        return EncodedSample(str(sample_id), t, sections, _crc_chain(memoryview(p).cast("B") for p, _ in sections))
 
 
 # ---------------------------------------------------------------------------------------------- writer
@@ -345,7 +347,7 @@ class HiddenStateShardWriter:
             sections.append([rel, len(mv), raw_len])
             parts.append(mv)
             rel += len(mv)
-        crc = _crc_chain(parts)
+        crc = enc.crc32 if enc.crc32 >= 0 else _crc_chain(parts)
         for mv in parts:
             self._fh.write(mv)
         pad = _align(offset + rel) - (offset + rel)

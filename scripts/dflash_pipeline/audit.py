@@ -1,0 +1,261 @@
+"""The data-quality gate: aggregate per-shard token audits into a report, then pass or stop the run.
+
+The report (JSON + a self-contained HTML page with plots) says what the data looks like before any GPU
+time is spent: supervision per sample, response lengths, turns, truncation, roles, quarantine reasons,
+duplicates and placeholder answers repeated across samples. Thresholds from the config decide.
+
+Modes: `full` checks everything (the gate in front of extraction). `prompts` is the gate in front of
+generation: responses are about to be regenerated, so response-quality findings are warnings there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+import sys
+from collections import Counter
+
+from dflash_pipeline.storage import atomic_open, read_json, write_json
+
+RESPONSE_CHECKS = {"trivial", "empty", "no_supervision", "placeholder", "truncated", "not_ending_with_assistant"}
+
+
+def aggregate(audit_paths: list[str], manifest: dict) -> dict:
+    totals = Counter()
+    roles, answers, failures = Counter(), Counter(), Counter()
+    per_sample = {k: [] for k in ("loss_tokens", "length", "turns", "assistant_turns", "response_tokens")}
+    settings = None
+    for path in audit_paths:
+        a = read_json(path)
+        settings = settings or a["settings"]
+        totals["samples"] += a["samples"]
+        totals["tokens"] += a["tokens"]
+        totals["loss_tokens"] += a["loss_tokens"]
+        totals["generation_failed"] += a.get("generation_failed", 0)
+        failures.update(a.get("generation_failure_reasons", {}))
+        totals.update(a["counts"])
+        roles.update(a["roles"])
+        answers.update(a["answers"])
+        for k in per_sample:
+            per_sample[k].extend(a["per_sample"][k])
+    quarantine = Counter()
+    for f in manifest["files"]:
+        quarantine.update(f["quarantine_reasons"])
+    return {
+        "totals": dict(totals),
+        "roles": dict(roles),
+        "answers": answers,
+        "per_sample": per_sample,
+        "settings": settings or {},
+        "generation_failure_reasons": dict(failures),
+        "ingest": {
+            "totals": manifest["totals"],
+            "files": manifest["files"],
+            "quarantine_reasons": dict(quarantine.most_common()),
+            "duplicate_examples": manifest.get("duplicate_examples", [])[:20],
+        },
+    }
+
+
+def evaluate_checks(agg: dict, thresholds: dict, mode: str) -> list[dict]:
+    t = agg["totals"]
+    n = max(t.get("samples", 0), 1)
+    ingest = agg["ingest"]["totals"]
+    read = max(ingest["records_read"], 1)
+    trivial_tokens = agg["settings"].get("trivial_tokens", thresholds.get("trivial_response_tokens", 6))
+    min_repeats = thresholds["placeholder_min_repeats"]
+    placeholders = [(a, c) for a, c in agg["answers"].most_common(20) if c >= min_repeats]
+    placeholder_samples = sum(c for a, c in agg["answers"].items() if c >= min_repeats)
+
+    def frac(x):
+        return x / n
+
+    checks = [
+        ("min_samples", t.get("samples", 0), thresholds["min_samples"], ">=",
+         "||too few samples survived ingest and tokenization: check the inputs and the quarantine file"),
+        ("trivial", frac(t.get("trivial", 0)), thresholds["max_trivial_fraction"], "<=",
+         f"of samples have trivial responses (no turn over {trivial_tokens} supervised tokens, e.g. a bare 'OK.')||"
+         "regenerate the responses with the target (generate.enabled: true) or filter these samples"),
+        ("no_supervision", frac(t.get("no_supervision", 0)), thresholds["max_trivial_fraction"], "<=",
+         "of samples have no supervised token at all||no assistant turn lies inside max_length: raise it or filter"),
+        ("empty", frac(t.get("empty_response", 0)), thresholds["max_empty_fraction"], "<=",
+         "of samples contain an empty assistant response||regenerate or filter them"),
+        ("placeholder", frac(placeholder_samples), thresholds["max_placeholder_fraction"], "<=",
+         f"of samples end with an answer repeated in >= {min_repeats} samples (placeholders such as "
+         f"{', '.join(repr(a) for a, _ in placeholders[:3]) or 'none'})||regenerate the responses"),
+        ("truncated", frac(t.get("truncated", 0)), thresholds["max_truncated_fraction"], "<=",
+         "of samples are longer than tokenize.max_length and were truncated||raise max_length or filter"),
+        ("not_ending_with_assistant", frac(t.get("not_ending_with_assistant", 0)),
+         thresholds["max_not_ending_with_assistant_fraction"], "<=",
+         "of conversations do not end with an assistant turn||their last user turn trains nothing"),
+        ("duplicates", ingest["duplicates"] / read, thresholds["max_duplicate_fraction"], "<=",
+         "of records read were exact duplicates (dropped)||check that inputs are not listed twice"),
+        ("quarantined", ingest["quarantined"] / read, thresholds["max_quarantine_fraction"], "<=",
+         "of records read were quarantined as malformed||see the quarantine files for reasons"),
+    ]
+    out = []
+    for name, value, limit, op, message in checks:
+        ok = value >= limit if op == ">=" else value <= limit
+        status = "pass" if ok else ("warn" if mode == "prompts" and name in RESPONSE_CHECKS else "fail")
+        shown = f"{value:.1%}" if isinstance(value, float) else str(value)
+        limit_shown = f"{limit:.1%}" if isinstance(value, float) else str(limit)
+        finding, _, advice = message.partition("||")
+        text = f"{shown} {finding}" if isinstance(value, float) else f"{shown} samples"
+        if status != "pass":
+            text += f": {advice}"
+            if status == "warn":
+                text += " (generation is on: these responses will be replaced; the gate after generation checks again)"
+        out.append({"check": name, "value": value, "threshold": limit, "op": op, "status": status,
+                    "message": text, "limit_shown": limit_shown})
+    return out
+
+
+def build_report(audit_paths, manifest_path, thresholds, mode, dataset) -> dict:
+    manifest = read_json(manifest_path)
+    agg = aggregate(audit_paths, manifest)
+    checks = evaluate_checks(agg, thresholds, mode)
+    t = agg["totals"]
+    n = max(t.get("samples", 0), 1)
+    min_repeats = thresholds["placeholder_min_repeats"]
+    return {
+        "dataset": dataset,
+        "mode": mode,
+        "passed": all(c["status"] != "fail" for c in checks),
+        "checks": checks,
+        "totals": t,
+        "fractions": {k: t.get(k, 0) / n for k in ("trivial", "no_supervision", "empty_response", "truncated",
+                                                  "not_ending_with_assistant", "system_prompt")},
+        "roles": agg["roles"],
+        "top_answers": [{"answer": a, "samples": c} for a, c in agg["answers"].most_common(20)],
+        "placeholder_answers": [{"answer": a, "samples": c} for a, c in agg["answers"].most_common()
+                                if c >= min_repeats][:50],
+        "generation_failure_reasons": agg["generation_failure_reasons"],
+        "ingest": agg["ingest"],
+        "per_sample": agg["per_sample"],
+        "settings": agg["settings"],
+        "thresholds": thresholds,
+    }
+
+
+def _plots(report: dict) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ps = report["per_sample"]
+    figs = []
+
+    def hist(values, title, xlabel, log=False):
+        fig, ax = plt.subplots(figsize=(5.5, 3.2))
+        if values:
+            ax.hist(values, bins=min(60, max(5, len(set(values)))), color="#3b6ea5", log=log)
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("samples")
+        return fig
+
+    def bars(counts: dict, title):
+        fig, ax = plt.subplots(figsize=(5.5, 3.2))
+        items = sorted(counts.items(), key=lambda kv: -kv[1])[:12]
+        ax.barh([str(k)[:40] for k, _ in items][::-1], [v for _, v in items][::-1], color="#a5573b")
+        ax.set_title(title)
+        fig.tight_layout()
+        return fig
+
+    figs.append(("Loss-mask sum per sample (supervised tokens)", hist(ps["loss_tokens"], "Supervised tokens per sample", "tokens")))
+    figs.append(("Response length per assistant turn", hist(ps["response_tokens"], "Response tokens per assistant turn", "tokens")))
+    figs.append(("Turns per conversation", hist(ps["turns"], "Messages per conversation", "messages")))
+    figs.append(("Sequence length", hist(ps["length"], "Tokens per sample (after truncation)", "tokens")))
+    t = report["totals"]
+    figs.append(("Truncation", bars({"truncated": t.get("truncated", 0),
+                                     "complete": t.get("samples", 0) - t.get("truncated", 0)}, "Truncation")))
+    figs.append(("Role counts", bars(report["roles"], "Messages by role")))
+    figs.append(("Quarantine reasons", bars(report["ingest"]["quarantine_reasons"] or {"none": 0}, "Quarantined records")))
+    figs.append(("Most repeated final answers", bars({a["answer"]: a["samples"] for a in report["top_answers"][:10]}, "Final answers")))
+    out = []
+    for title, fig in figs:
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+        plt.close(fig)
+        out.append((title, base64.b64encode(buf.getvalue()).decode("ascii")))
+    return out
+
+
+def write_html(report: dict, path: str) -> None:
+    esc = html.escape
+    verdict = "PASSED" if report["passed"] else "FAILED"
+    color = "#1d7a35" if report["passed"] else "#b3261e"
+    rows = "".join(
+        f"<tr class='{c['status']}'><td>{esc(c['check'])}</td><td>{esc(c['status'].upper())}</td>"
+        f"<td>{esc(c['message'])}</td><td>{c['op']} {esc(c['limit_shown'])}</td></tr>"
+        for c in report["checks"])
+    files = "".join(
+        f"<tr><td>{esc(f['file'])}</td><td>{f['records_read']}</td><td>{f['kept']}</td><td>{f['quarantined']}</td>"
+        f"<td>{f['duplicates']}</td><td>{esc(json.dumps(f['damage']) if f['damage'] else '')}</td></tr>"
+        for f in report["ingest"]["files"])
+    answers = "".join(f"<tr><td>{esc(a['answer'])}</td><td>{a['samples']}</td></tr>" for a in report["top_answers"][:10])
+    plots = "".join(f"<figure><img alt='{esc(t)}' src='data:image/png;base64,{b}'><figcaption>{esc(t)}</figcaption></figure>"
+                    for t, b in _plots(report))
+    t = report["totals"]
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>Data audit: {esc(report['dataset'])}</title>
+<style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}tr.fail td{{background:#fde7e6}}tr.warn td{{background:#fff4d6}}
+figure{{display:inline-block;margin:0.5em}}h1 span{{color:{color}}}</style></head><body>
+<h1>Data audit ({esc(report['dataset'])}, {esc(report['mode'])} gate): <span>{verdict}</span></h1>
+<p>{t.get('samples', 0)} samples, {t.get('tokens', 0)} tokens, {t.get('loss_tokens', 0)} supervised;
+{t.get('generation_failed', 0)} failed generations excluded.</p>
+<h2>Checks</h2><table><tr><th>check</th><th>status</th><th>finding</th><th>threshold</th></tr>{rows}</table>
+<h2>Inputs (read = kept + quarantined + duplicates)</h2>
+<table><tr><th>file</th><th>read</th><th>kept</th><th>quarantined</th><th>duplicates</th><th>damage</th></tr>{files}</table>
+<h2>Most repeated final answers</h2><table><tr><th>answer</th><th>samples</th></tr>{answers}</table>
+<h2>Plots</h2>{plots}</body></html>"""
+    with atomic_open(path, "w", encoding="utf-8") as fh:
+        fh.write(page)
+
+
+def add_audit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--audits", nargs="+", required=True, help="per-shard audit JSON files")
+    p.add_argument("--manifest", required=True)
+    p.add_argument("--thresholds", required=True, help="the config's audit section (JSON)")
+    p.add_argument("--mode", choices=["full", "prompts"], default="full")
+    p.add_argument("--dataset", default="source")
+    p.add_argument("--out", required=True)
+    p.add_argument("--html", required=True)
+
+
+def run_audit(args) -> int:
+    report = build_report(args.audits, args.manifest, json.loads(args.thresholds), args.mode, args.dataset)
+    write_html(report, args.html)
+    write_json(args.out, report, indent=None)
+    for c in report["checks"]:
+        print(f"[{c['status'].upper():4}] {c['check']}: {c['message']}")
+    print(f"audit {args.dataset}: {'PASSED' if report['passed'] else 'FAILED'} ({args.html})")
+    return 0
+
+
+def add_gate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--report", required=True)
+    p.add_argument("--out", required=True, help="written only when the gate passes")
+
+
+def run_gate(args) -> int:
+    report = read_json(args.report)
+    failed = [c for c in report["checks"] if c["status"] == "fail"]
+    warned = [c for c in report["checks"] if c["status"] == "warn"]
+    for c in warned:
+        print(f"audit gate ({report['dataset']}): warning: {c['message']}", file=sys.stderr)
+    if failed:
+        print(f"\nDATA AUDIT GATE FAILED for the {report['dataset']} data: no GPU stage will run.", file=sys.stderr)
+        for c in failed:
+            print(f"  - {c['message']} (threshold {c['op']} {c['limit_shown']})", file=sys.stderr)
+        print(f"  Full report: {args.report.removesuffix('.json')}.html", file=sys.stderr)
+        return 1
+    with atomic_open(args.out, "w") as fh:
+        fh.write(json.dumps({"dataset": report["dataset"], "samples": report["totals"].get("samples", 0),
+                             "warnings": [c["message"] for c in warned]}) + "\n")
+    print(f"audit gate ({report['dataset']}): passed")
+    return 0

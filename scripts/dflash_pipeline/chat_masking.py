@@ -1,0 +1,163 @@
+"""Assistant-only loss masks for any chat template, found by rendering rather than by regexes.
+
+For assistant turn i of a conversation whose full rendering is T:
+- start: where T leaves the rendering of `messages[:i]` with the generation prompt (the common prefix).
+  Everything the template puts before the model's output (role header, an empty think block when
+  thinking is off) is prompt; what the model would generate is supervised.
+- end of content: render T again with turn i's content changed; the common suffix of the two renderings
+  starts right after the content. This holds whatever the template does to earlier turns (Qwen3 drops
+  their thinking) or to the text around the content.
+- the turn's closing text (`<|im_end|>`, `<|eot_id|>`, ...) is learned once per template by rendering a
+  probe conversation, and supervised when it follows the content (the model must learn to stop).
+Character spans become token spans through the tokenizer's char -> token alignment, so the mask is exact
+for the token ids actually produced from T. A token is supervised when its first character is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SENTINEL = "\u2063\u2063"  # appended to one turn's content to find where it ends (invisible separator)
+
+
+@dataclass
+class MaskedSample:
+    input_ids: list[int]
+    loss_mask: list[int]
+    text: str
+    spans: list[tuple[int, int]]  # supervised character spans in `text`
+    turn_tokens: list[int]  # supervised tokens per assistant turn (before truncation)
+    truncated: bool
+    closing_found: bool  # every assistant turn ended with the template's closing text
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    if b.startswith(a):
+        return len(a)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # binary search with C-speed slice comparisons
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix_len(a: str, b: str) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[len(a) - mid:] == b[len(b) - mid:]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class ChatMasker:
+    """Renders conversations with a tokenizer's chat template and builds exact assistant loss masks."""
+
+    def __init__(self, tokenizer, enable_thinking: bool = True, max_length: int | None = None):
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("a fast (Rust) tokenizer is required for exact character alignment")
+        if not tokenizer.chat_template:
+            raise ValueError("the tokenizer has no chat template")
+        self.tokenizer = tokenizer
+        self.backend = tokenizer.backend_tokenizer
+        self.max_length = max_length
+        self.template_kwargs = {"enable_thinking": enable_thinking}
+        self._render = self._compile(tokenizer)
+        self.closing = self._probe_closing()
+
+    def _compile(self, tokenizer):
+        try:  # the same compiled template that apply_chat_template uses, without its per-call overhead
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            template = _compile_jinja_template(tokenizer.chat_template)
+            specials = dict(tokenizer.special_tokens_map)
+
+            def render(messages, add_generation_prompt):
+                return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       **specials, **self.template_kwargs)
+        except ImportError:  # pragma: no cover - older/newer transformers without the helper
+
+            def render(messages, add_generation_prompt):
+                return tokenizer.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt,
+                                                     **self.template_kwargs)
+        return render
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self._render(_clean(messages), add_generation_prompt)
+
+    def _probe_closing(self) -> str:
+        probe = "Probe answer 7"
+        text = self._render([{"role": "user", "content": "Probe question"},
+                             {"role": "assistant", "content": probe}], False)
+        at = text.rfind(probe)
+        # trailing whitespace after the end-of-turn token is formatting the model does not generate
+        return text[at + len(probe):].rstrip() if at >= 0 else ""
+
+    def spans(self, messages: list[dict], text: str | None = None) -> tuple[str, list[tuple[int, int]], bool]:
+        """(rendered text, supervised char spans, closing found for every turn)."""
+        messages = _clean(messages)
+        text = self._render(messages, False) if text is None else text
+        spans, closing_ok = [], True
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            prompt = self._render(messages[:i], True)
+            start = _common_prefix_len(prompt, text)
+            altered = list(messages)
+            altered[i] = {**m, "content": (m.get("content") or "") + SENTINEL}
+            alt = self._render(altered, False)
+            if alt == text:  # the template does not render this turn's content
+                spans.append((start, start))
+                continue
+            end = len(text) - _common_suffix_len(text, alt)
+            if self.closing and text.startswith(self.closing, end):
+                end += len(self.closing)
+            else:
+                closing_ok = False
+            spans.append((start, max(start, end)))
+        return text, spans, closing_ok
+
+    def encode(self, conversations: list[list[dict]]) -> list[MaskedSample]:
+        rendered = [self.spans(messages) for messages in conversations]
+        encodings = self.backend.encode_batch([r[0] for r in rendered], add_special_tokens=False)
+        out = []
+        for (text, spans, closing_ok), enc in zip(rendered, encodings):
+            ids = enc.ids
+            mask = [0] * len(ids)
+            turn_tokens = []
+            for s, e in spans:
+                k0, k1 = _token_range(enc, s, e)
+                for k in range(k0, k1):
+                    mask[k] = 1
+                turn_tokens.append(k1 - k0)
+            truncated = self.max_length is not None and len(ids) > self.max_length
+            if truncated:
+                ids, mask = ids[: self.max_length], mask[: self.max_length]
+            out.append(MaskedSample(ids, mask, text, spans, turn_tokens, truncated, closing_ok))
+        return out
+
+
+def _token_range(enc, start: int, end: int) -> tuple[int, int]:
+    """Tokens whose first character lies in [start, end), as a half-open index range."""
+    if end <= start:
+        return 0, 0
+    k0 = enc.char_to_token(start)
+    if k0 is None:  # start falls on a character no token covers: take the next token that starts after it
+        k0 = next((k for k, (a, _) in enumerate(enc.offsets) if a >= start), len(enc.ids))
+    elif enc.token_to_chars(k0)[0] < start:
+        k0 += 1
+    k1 = enc.char_to_token(end - 1)
+    if k1 is None:
+        k1 = next((k for k in range(len(enc.ids) - 1, -1, -1) if enc.offsets[k][0] < end), -1)
+    return k0, max(k0, k1 + 1)
+
+
+def _clean(messages: list[dict]) -> list[dict]:
+    """Drop None-valued keys so templates test `reasoning_content is defined` the way HF callers do."""
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]

@@ -1,0 +1,145 @@
+"""`dflash-pipeline launch-torchrun -- CMD ...`: run CMD as a torch.distributed job, one or many nodes.
+
+- One process (one node, at most one GPU): CMD runs as it is (the CPU demo).
+- One node, P GPUs: `torchrun --standalone --nproc-per-node P --no-python CMD`.
+- Inside a SLURM allocation of N > 1 nodes: one `torchrun` per node through
+  `srun --nodes N --ntasks N --ntasks-per-node 1`, all meeting at a c10d rendezvous on the allocation's
+  first node (`--rdzv-endpoint HOST:PORT --rdzv-id $SLURM_JOB_ID`), each starting P workers.
+
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every worker; the training
+stage reads those. `--dry-run` prints the command instead of running it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+from dflash_pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """SLURM's compact host list (`gpu[01-03,07],login-1`) as host names, in order."""
+    hosts: list[str] = []
+    # split on commas that are not inside brackets
+    parts, depth, cur = [], 0, ""
+    for ch in nodelist:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur:
+        parts.append(cur)
+    for part in parts:
+        m = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\](.*)", part.strip())
+        if not m:
+            hosts.append(part.strip())
+            continue
+        prefix, ranges, suffix = m.groups()
+        for item in ranges.split(","):
+            if "-" in item:
+                lo, hi = item.split("-", 1)
+                width = len(lo)
+                hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
+            else:
+                hosts.append(f"{prefix}{item}{suffix}")
+    return [h for h in hosts if h]
+
+
+def slurm_nodes(env=None) -> list[str]:
+    env = os.environ if env is None else env
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    if not nodelist:
+        return []
+    return expand_hostlist(nodelist)
+
+
+def _gpus_on_node(env) -> int:
+    for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
+        value = env.get(key, "")
+        m = re.search(r"(\d+)$", value)  # SLURM_GPUS_PER_NODE may be "h100:8"
+        if m and int(m.group(1)) > 0:
+            return int(m.group(1))
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd:
+        return len([x for x in cvd.split(",") if x.strip()])
+    return 1
+
+
+def build_command(command: list[str], nproc: str = "auto", nnodes: str = "auto", rdzv_port: int | None = None,
+                  env=None, python: str | None = None, max_restarts: int = 0) -> list[str]:
+    """The launch command line for `command` under the current environment (see the module doc)."""
+    env = os.environ if env is None else env
+    python = python or sys.executable
+    in_slurm = bool(env.get("SLURM_JOB_ID"))
+    if nnodes != "auto":
+        n_nodes = int(nnodes)
+    elif in_slurm:
+        n_nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    else:
+        n_nodes = 1
+    n_proc = int(nproc) if nproc != "auto" else _gpus_on_node(env)
+    if n_nodes < 1 or n_proc < 1:
+        raise PipelineError(f"launch-torchrun: nnodes={n_nodes} nproc-per-node={n_proc} must be >= 1")
+    torchrun = [python, "-m", "torch.distributed.run"]
+    if n_nodes == 1 and n_proc == 1:
+        return list(command)
+    if n_nodes == 1:
+        return [*torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", str(n_proc),
+                "--max-restarts", str(max_restarts), "--no-python", *command]
+    if not in_slurm:
+        raise PipelineError("launch-torchrun: more than one node needs a SLURM allocation (no $SLURM_JOB_ID)")
+    hosts = slurm_nodes(env)
+    if len(hosts) < n_nodes:
+        raise PipelineError(f"launch-torchrun: {n_nodes} nodes wanted, the allocation lists {hosts}")
+    job_id = env["SLURM_JOB_ID"]
+    # a port derived from the job id, so that two jobs sharing a first node do not collide
+    port = rdzv_port or 29500 + int(job_id) % 2000
+    srun = ["srun", "--nodes", str(n_nodes), "--ntasks", str(n_nodes), "--ntasks-per-node", "1",
+            "--kill-on-bad-exit=1"]
+    return [*srun, *torchrun, "--nnodes", str(n_nodes), "--nproc-per-node", str(n_proc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0]}:{port}", "--rdzv-id", f"slurm-{job_id}",
+            "--max-restarts", str(max_restarts), "--no-python", *command]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--nproc-per-node", default="auto",
+                        help="workers per node (auto: the GPUs SLURM gave the node, or CUDA_VISIBLE_DEVICES, else 1)")
+    parser.add_argument("--nnodes", default="auto", help="nodes (auto: $SLURM_JOB_NUM_NODES inside SLURM, else 1)")
+    parser.add_argument("--rdzv-port", type=int, default=None, help="rendezvous port (default 29500 + job id %% 2000)")
+    parser.add_argument("--max-restarts", type=int, default=0)
+    parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    parser.add_argument("command", nargs="+", help="the command each worker runs (after --)")
+
+
+def run(args) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise PipelineError("launch-torchrun: no command given")
+    if os.path.sep not in command[0]:
+        # resolve console scripts such as dflash-pipeline now: srun on another node gets the absolute path
+        command[0] = shutil.which(command[0]) or command[0]
+    cmd = build_command(command, nproc=args.nproc_per_node, nnodes=args.nnodes, rdzv_port=args.rdzv_port,
+                        max_restarts=args.max_restarts)
+    line = " ".join(shlex.quote(c) for c in cmd)
+    if args.dry_run:
+        print(line)
+        return 0
+    log.info("launch: %s", line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return subprocess.call(cmd)
