@@ -72,12 +72,59 @@ class _CountingReader:
         return data
 
 
+class _Decompressor:
+    """Incremental gzip/zstd decompression that hands out every byte before a truncation, then raises.
+
+    (gzip.GzipFile and zstd stream readers drop the partial chunk they were decoding when the stream
+    ends early, which would lose complete records that salvage must keep.) Multi-member gzip and
+    multi-frame zstd are read across members.
+    """
+
+    def __init__(self, fh: IO[bytes], kind: str):
+        self.fh, self.kind = fh, kind
+        self.buf = bytearray()
+        self.dec = self._new()
+        self.done = False
+
+    def _new(self):
+        if self.kind == "gzip":
+            return zlib.decompressobj(wbits=47)
+        return zstandard.ZstdDecompressor().decompressobj()
+
+    def _fill(self) -> None:
+        raw = self.fh.read(CHUNK)
+        if not raw:
+            self.done = True
+            if not self.dec.eof:
+                raise EOFError(f"{self.kind} stream ends before its end marker (truncated file)")
+            return
+        while raw:
+            self.buf += self.dec.decompress(raw)
+            if self.dec.eof:
+                raw = self.dec.unused_data
+                if raw:
+                    self.dec = self._new()
+            else:
+                raw = b""
+
+    def read(self, n: int = -1) -> bytes:
+        while not self.done and (n < 0 or len(self.buf) < n):
+            if self.buf and n >= 0:
+                # hand out what we have first, so data before a truncation is never lost
+                break
+            self._fill()
+        take = len(self.buf) if n < 0 else min(n, len(self.buf))
+        out = bytes(self.buf[:take])
+        del self.buf[:take]
+        return out
+
+
 def _decompressed(path: str, fh: IO[bytes]) -> tuple[IO[bytes], str]:
     name = path.lower()
     if name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=fh), "gzip"
+        return _Decompressor(fh, "gzip"), "gzip"
     if name.endswith(".zst") or name.endswith(".zstd"):
-        return zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True), "zstd"
+        return _Decompressor(fh, "zstd"), "zstd"
     return fh, "none"
 
 
