@@ -14,6 +14,12 @@ set -euo pipefail
 STATE=${SLURM_STATE_DIR:-/var/tmp/dflash-slurm}
 CONF_DIR=${SLURM_CONF_DIR:-/etc/slurm}
 FAKE_GPUS=${SLURM_FAKE_GPUS:-2}
+GPU_TYPE=${SLURM_FAKE_GPU_TYPE:-h100}      # the gpu_model that profiles/slurm asks for
+# The node advertises the resources of a small GPU node (SlurmdParameters=config_overrides lets slurmd
+# accept more than the machine has; nothing enforces them with proctrack/linuxproc + task/none), so the
+# profile's per-rule memory requests schedule here as they would on a cluster.
+FAKE_CPUS=${SLURM_FAKE_CPUS:-8}
+FAKE_MEM_MB=${SLURM_FAKE_MEM_MB:-262144}
 HOST=$(hostname)
 
 log() { echo "[slurm.sh] $*" >&2; }
@@ -38,12 +44,7 @@ cmd_install() {
 }
 
 write_conf() {
-    local cpus mem_mb
-    cpus=$(nproc)
-    # RealMemory a bit under what the machine has, or slurmd marks the node invalid
-    mem_mb=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
     mkdir -p "$CONF_DIR" "$STATE"/{ctld,d,log} "$STATE"/dev
-    local files=""
     for ((i = 0; i < FAKE_GPUS; i++)); do touch "$STATE/dev/fakegpu$i"; done
     cat >"$CONF_DIR/slurm.conf" <<EOF
 # written by .ci/slurm.sh: a single-node test cluster
@@ -76,11 +77,14 @@ SlurmctldLogFile=$STATE/log/slurmctld.log
 SlurmdLogFile=$STATE/log/slurmd.log
 SlurmctldTimeout=30
 SlurmdTimeout=60
+SlurmdParameters=config_overrides
 GresTypes=gpu
-NodeName=$HOST CPUs=$cpus RealMemory=$mem_mb Gres=gpu:$FAKE_GPUS State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+NodeName=$HOST CPUs=$FAKE_CPUS RealMemory=$FAKE_MEM_MB Gres=gpu:$GPU_TYPE:$FAKE_GPUS State=UNKNOWN
+# the partitions profiles/slurm names; both on the one node
+PartitionName=cpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=gpu Nodes=ALL Default=NO MaxTime=INFINITE State=UP
 EOF
-    echo "NodeName=$HOST Name=gpu File=$STATE/dev/fakegpu[0-$((FAKE_GPUS - 1))]" >"$CONF_DIR/gres.conf"
+    echo "NodeName=$HOST Name=gpu Type=$GPU_TYPE File=$STATE/dev/fakegpu[0-$((FAKE_GPUS - 1))]" >"$CONF_DIR/gres.conf"
 }
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
