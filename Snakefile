@@ -1,11 +1,14 @@
 # DFlash drafter pipeline. Stages: ingest -> tokenize + audit (gate) -> generate -> tokenize + audit (gate)
 # -> extract -> train -> export -> evaluate. Rules are thin: each calls `dflash-pipeline STAGE ...`.
+import os
+
 from snakemake.utils import min_version
 
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# defaults; a user config given with --configfile is merged over them
+configfile: os.path.join(workflow.basedir, "config/config.yaml")
 
 
 include: "rules/common.smk"

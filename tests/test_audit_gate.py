@@ -1,0 +1,108 @@
+"""The audit gate: fails on placeholder data with a message that says what to do, passes on clean data,
+and in a real Snakemake run stops everything downstream of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, run_cli
+from dflash_pipeline.audit import build_report, write_html
+from dflash_pipeline.demo_data import write_demo
+from dflash_pipeline.ingest import ingest_file
+from dflash_pipeline.manifest import build_manifest, write_shard
+from dflash_pipeline.storage import write_json
+from dflash_pipeline.tokenize_shard import tokenize_shard
+
+
+def prepare(tmp: Path, tiny_target: Path, placeholder_rate: float, mode: str, records: int = 90):
+    """ingest -> manifest -> shards -> tokenize -> audit in-process (fast); the gate through the CLI."""
+    raw = tmp / "raw"
+    write_demo(raw, records, placeholder_rate)
+    records_, stats = [], []
+    for f in sorted(raw.iterdir()):
+        src = f.name.split(".")[0]
+        ingest_file(str(f), str(tmp / f"{src}.parquet"), str(tmp / f"{src}.stats.json"), str(tmp / f"{src}.q.jsonl"))
+        records_.append(str(tmp / f"{src}.parquet"))
+        stats.append(str(tmp / f"{src}.stats.json"))
+    write_json(tmp / "manifest.json", build_manifest(records_, stats, shard_size=1000))
+    audits = []
+    for s in json.loads((tmp / "manifest.json").read_text())["shards"]:
+        write_shard(str(tmp / f"{s['src']}.parquet"), s, str(tmp / f"{s['shard']}.parquet"))
+        tokenize_shard(str(tmp / f"{s['shard']}.parquet"), str(tiny_target), str(tmp / f"{s['shard']}.tokens.parquet"),
+                       str(tmp / f"{s['shard']}.audit.json"), max_length=1024, trivial_tokens=8)
+        audits.append(str(tmp / f"{s['shard']}.audit.json"))
+    thresholds = yaml.safe_load((REPO / "config/config.yaml").read_text())["audit"]
+    report = build_report(audits, str(tmp / "manifest.json"), thresholds, mode, "source")
+    write_html(report, str(tmp / "report.html"))
+    write_json(tmp / "report.json", report)
+    gate = run_cli("gate", "--report", tmp / "report.json", "--out", tmp / "gate.ok", check=False)
+    return report, gate
+
+
+def test_gate_fails_on_placeholder_answers(tmp_path, tiny_target):
+    report, gate = prepare(tmp_path, tiny_target, placeholder_rate=0.6, mode="full")
+    assert not report["passed"]
+    failed = {c["check"] for c in report["checks"] if c["status"] == "fail"}
+    assert {"trivial", "placeholder"} <= failed
+    assert 0.45 < report["fractions"]["trivial"] < 0.75
+    assert report["placeholder_answers"][0]["answer"] == "ok."
+    assert gate.returncode == 1 and not (tmp_path / "gate.ok").exists()
+    assert "DATA AUDIT GATE FAILED" in gate.stderr
+    assert "of samples have trivial responses" in gate.stderr and "regenerate" in gate.stderr
+    html = (tmp_path / "report.html").read_text()
+    assert "FAILED" in html and html.count("data:image/png;base64,") >= 6
+    # exact accounting from the manifest reaches the report
+    for f in report["ingest"]["files"]:
+        assert f["records_read"] == f["kept"] + f["quarantined"] + f["duplicates"]
+
+
+def test_gate_passes_on_clean_data_and_warns_in_prompt_mode(tmp_path, tiny_target):
+    report, gate = prepare(tmp_path / "clean", tiny_target, placeholder_rate=0.0, mode="full")
+    assert report["passed"], [c for c in report["checks"] if c["status"] != "pass"]
+    assert gate.returncode == 0 and (tmp_path / "clean/gate.ok").exists()
+    # before regeneration, bad answers are warnings: they are about to be replaced
+    report, gate = prepare(tmp_path / "prompts", tiny_target, placeholder_rate=0.6, mode="prompts")
+    assert report["passed"] and gate.returncode == 0
+    assert "warning" in gate.stderr and "will be replaced" in gate.stderr
+
+
+def snakemake(workdir: Path, *args, config: dict | None = None, timeout=600) -> subprocess.CompletedProcess:
+    cmd = [str(Path(sys.executable).parent / "snakemake"), "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
+           "--cores", "2", "--rerun-triggers", "mtime", "params", "input"]
+    if config:
+        cfg = workdir / "test-config.yaml"
+        cfg.write_text(yaml.safe_dump(config))
+        cmd += ["--configfile", str(cfg)]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_snakemake_failed_gate_stops_the_run(tmp_path):
+    """Training on the original placeholder answers (no regeneration): the gate stops the workflow."""
+    cfg = {"generate": {"enabled": False}, "demo": {"enabled": True, "records": 90, "placeholder_rate": 0.5}}
+    t0 = time.time()
+    plan = snakemake(tmp_path, "-n", config=cfg)
+    assert plan.returncode == 0, plan.stderr
+    proc = snakemake(tmp_path, "--keep-going", config=cfg)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "DATA AUDIT GATE FAILED" in out and "trivial responses" in out
+    assert (tmp_path / "results/audit/source/report.html").exists()
+    assert not (tmp_path / "results/audit/source/gate.ok").exists()
+    for downstream in ("completions", "hidden", "drafter", "eval"):
+        assert not (tmp_path / "results" / downstream).exists(), downstream
+    # once the manifest exists, a dry run plans every shard's jobs quickly
+    t1 = time.time()
+    plan = snakemake(tmp_path, "-n", config=cfg)
+    assert plan.returncode == 0 and time.time() - t1 < 30
+    assert "gate" in plan.stdout
+    assert time.time() - t0 < 300
