@@ -133,8 +133,7 @@ class ChatMasker:
             turn_tokens = []
             for s, e in spans:
                 k0, k1 = _token_range(enc, s, e)
-                for k in range(k0, k1):
-                    mask[k] = 1
+                mask[k0:k1] = [1] * (k1 - k0)
                 turn_tokens.append(k1 - k0)
             truncated = self.max_length is not None and len(ids) > self.max_length
             if truncated:
