@@ -78,9 +78,28 @@ def target_model_dir(input_files):
     return config["target"]["model_path"]
 
 
+_MANIFEST_CACHE = {}
+
+
 def manifest():
-    with checkpoints.manifest.get().output.manifest.open() as fh:
-        return json.load(fh)
+    """The shard manifest, parsed once per version of the file (input functions call this per job:
+    re-parsing it for each of thousands of shards would dominate the planning time)."""
+    out = checkpoints.manifest.get().output.manifest
+    local = out.storage_object.local_path() if getattr(out, "storage_object", None) else str(out)
+    try:
+        st = os.stat(local)
+        key = (str(out), st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = None
+    if key is None or key not in _MANIFEST_CACHE:
+        with out.open() as fh:
+            data = json.load(fh)
+        data["_by_shard"] = {s["shard"]: s for s in data["shards"]}
+        if key is None:
+            return data
+        _MANIFEST_CACHE.clear()
+        _MANIFEST_CACHE[key] = data
+    return _MANIFEST_CACHE[key]
 
 
 def shard_ids():

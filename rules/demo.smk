@@ -13,7 +13,7 @@ if config["demo"]["enabled"]:
         conda:
             ENV_CPU
         shell:
-            "{PKG} demo-data --out data/demo --records {params.records} "
+            "{PKG} demo-data --out $(dirname {output[0]}) --records {params.records} "
             "--placeholder-rate {params.placeholder_rate} > {log} 2>&1"
 
     rule tiny_target:

@@ -43,7 +43,7 @@ checkpoint manifest:
 
 
 def _shard_entry(wildcards):
-    return next(s for s in manifest()["shards"] if s["shard"] == wildcards.shard)
+    return manifest()["_by_shard"][wildcards.shard]
 
 
 rule shard:
