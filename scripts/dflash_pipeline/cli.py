@@ -28,6 +28,7 @@ STAGES = {
     "train": ("dflash_pipeline.train", "train the DFlash drafter"),
     "export": ("dflash_pipeline.export", "export an engine-loadable drafter checkpoint"),
     "evaluate": ("dflash_pipeline.evaluate", "acceptance length of the drafter against the target"),
+    "evaluate-gate": ("dflash_pipeline.evaluate", "fail unless the trained drafter clearly beats an untrained one"),
     "with-gpus": ("dflash_pipeline.gpu_slots", "run a command on N distinct free GPUs (sets CUDA_VISIBLE_DEVICES)"),
     "launch-torchrun": ("dflash_pipeline.launch_torchrun", "launch a command under torchrun (multi-node inside SLURM)"),
 }

@@ -115,7 +115,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (self.weight.float() * x).to(dtype)  # stays in the input dtype (bf16 under autocast)
 
 
 class RotaryEmbedding(nn.Module):
@@ -409,3 +409,16 @@ def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
+
+
+def make_readable(directory: str | Path) -> None:
+    """Give a directory made by `atomic_dir` (mkdtemp: 0700) and its files the usual umask permissions."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    directory = Path(directory)
+    os.chmod(directory, 0o777 & ~mask)
+    for f in directory.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~mask)
