@@ -16,6 +16,7 @@ include: "rules/demo.smk"
 include: "rules/ingest.smk"
 include: "rules/tokenize.smk"
 include: "rules/audit.smk"
+include: "rules/generate.smk"
 
 
 rule all:
