@@ -17,6 +17,7 @@ include: "rules/ingest.smk"
 include: "rules/tokenize.smk"
 include: "rules/audit.smk"
 include: "rules/generate.smk"
+include: "rules/extract.smk"
 
 
 rule all:

@@ -158,8 +158,10 @@ def test_resume_after_kill_continues_from_last_flush(tmp_path):
     samples = _samples(n=8)
     path = tmp_path / "a.dfhs"
     w = HiddenStateShardWriter(path, META, codec="zstd", resume=True)
-    for s in samples[:3]:
+    for s in samples[:2]:
         w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden"])
+    w.flush(background=True)  # fsync + journal in a helper thread while appending goes on
+    w.add(samples[2]["sample_id"], samples[2]["input_ids"], samples[2]["loss_mask"], samples[2]["hidden"])
     w.flush()
     for s in samples[3:5]:  # written but never flushed: lost in the "kill"
         w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden"])

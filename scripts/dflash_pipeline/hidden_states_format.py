@@ -257,6 +257,9 @@ class HiddenStateShardWriter:
         self.journal = Path(str(self.path) + ".journal")
         self._cols: dict[str, list] = {c: [] for c in _INDEX_COLUMNS}
         self._journaled = 0
+        self._queued = 0  # entries handed to a flush (journaled once it completes)
+        self._syncer = None
+        self._pending: list = []
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._header_line = json.dumps({"metadata": self.metadata, "codec": self.codec.describe()},
                                        sort_keys=True)
@@ -310,7 +313,7 @@ class HiddenStateShardWriter:
         self._fh.truncate(end)
         self._fh.seek(end)
         self._pos = end
-        self._journaled = len(self._cols["offsets"])
+        self._journaled = self._queued = len(self._cols["offsets"])
         # rewrite the journal without any torn tail
         self._journal_fh = open(self.journal, "a", encoding="utf-8")
         self._journal_fh.seek(0)
@@ -357,18 +360,46 @@ class HiddenStateShardWriter:
         for c, v in zip(_INDEX_COLUMNS, (enc.sample_id, offset, rel, enc.num_tokens, crc, sections)):
             self._cols[c].append(v)
 
-    def flush(self) -> None:
-        """Make everything added so far durable and resumable."""
+    def flush(self, background: bool = False) -> None:
+        """Make everything added so far durable and resumable. With `background`, the fsync and the
+        journal line happen in a helper thread while the caller keeps appending (an fsync covers at least
+        the bytes written before it started); `close()` waits for it."""
         self._fh.flush()
+        n = len(self)
+        if n <= self._queued:
+            return
+        new = {c: list(self._cols[c][self._queued:n]) for c in _INDEX_COLUMNS}
+        self._queued = n
+        if not background:
+            while self._pending:  # journal lines stay in order: earlier background syncs first
+                self._pending.pop(0).result()
+            self._sync(new, n)
+            return
+        if self._syncer is None:
+            import concurrent.futures as cf
+
+            self._syncer = cf.ThreadPoolExecutor(1, thread_name_prefix="fsync")
+        self._pending.append(self._syncer.submit(self._sync, new, n))
+        while self._pending and self._pending[0].done():
+            self._pending.pop(0).result()
+
+    def _sync(self, new: dict, n: int) -> None:
         os.fsync(self._fh.fileno())
-        if len(self) > self._journaled:
-            new = {c: self._cols[c][self._journaled:] for c in _INDEX_COLUMNS}
-            self._write_journal_line(json.dumps(new))
-            self._journaled = len(self)
+        self._write_journal_line(json.dumps(new))
+        self._journaled = n
+
+    def _wait_syncs(self) -> None:
+        while self._pending:
+            self._pending.pop(0).result()
+        if self._syncer is not None:
+            self._syncer.shutdown(wait=True)
+            self._syncer = None
 
     def close(self) -> None:
         if self._closed:
             return
+        self._fh.flush()
+        self._wait_syncs()
         ids = self._cols["sample_ids"]
         if len(set(ids)) != len(ids):
             raise PipelineError(f"{self.path}: duplicate sample ids in shard")
@@ -388,8 +419,12 @@ class HiddenStateShardWriter:
     def abort(self) -> None:
         """Close the files without finishing (the partial file and journal stay for a resume)."""
         if not self._closed:
-            self._fh.close()
-            self._journal_fh.close()
+            try:
+                self._fh.flush()
+                self._wait_syncs()
+            finally:
+                self._fh.close()
+                self._journal_fh.close()
             self._closed = True
 
     def __enter__(self):

@@ -1,0 +1,175 @@
+"""Extraction throughput, end to end (forward + D2H + compression + checksums + writing), on a GPU.
+
+A Qwen3-8B-shaped target with random bf16 weights is built from its config (no download), token shards of
+fixed-length and of mixed-length samples are written, and `extract_shard` runs on them with each codec.
+Printed against the prefill limit (2 x non-embedding params FLOP per token at the bf16 matmul rate measured
+in the same run) and against the ~27K tok/s that SpecForge reports for its SGLang capture on one H200.
+
+    PYTHONPATH=scripts python3 benchmarks/extract_throughput.py --out /tmp/bench-extract
+    PYTHONPATH=scripts python3 benchmarks/extract_throughput.py --tiny   # CPU smoke run of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from dflash_pipeline.extract import LayerCapture, extract_shard
+
+SPECFORGE_TOK_S = 27_000
+
+
+def write_tokens(path, lengths, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(0, vocab, n).astype(np.int32).tolist() for n in lengths]
+    masks = [([0] * (n // 4) + [1] * (n - n // 4)) for n in lengths]
+    schema = pa.schema([("sample_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.int8()))])
+    pq.write_table(pa.table({"sample_id": [f"b-{i:06d}" for i in range(len(lengths))], "input_ids": ids,
+                             "loss_mask": masks}, schema=schema), path)
+
+
+def matmul_rate(dev):
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 20 * 2 * 8192 ** 3 / (time.perf_counter() - t)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/bench-extract")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on CPU (checks the script only)")
+    ap.add_argument("--samples", type=int, default=128, help="fixed-length samples (2048 tokens each)")
+    ap.add_argument("--token-budget", type=int, default=16384)
+    ap.add_argument("--encode-threads", type=int, default=12)
+    ap.add_argument("--cases", default="compute,zstd1,zstd3,raw,fp8,mixed-zstd1")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--flush-tokens", type=int, default=262144, help="durable chunk size (fsync + journal)")
+    args = ap.parse_args()
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    dev = "cpu" if args.tiny else "cuda"
+    if args.tiny:
+        cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=1000)
+        layers, seq, budget = [1, 2, 3, 4, 5], 128, 512
+        n_fixed = 16
+    else:
+        cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                          num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)
+        layers, seq, budget = [1, 9, 17, 25, 33], 2048, args.token_budget
+        n_fixed = args.samples
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    mm = matmul_rate(dev) if dev == "cuda" else None
+    with torch.device(dev):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32).eval()
+    n_params = sum(p.numel() for p in model.parameters()) - cfg.vocab_size * cfg.hidden_size
+    limit = mm / (2 * n_params) if mm else None
+    print(f"device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+          f"non-embedding params {n_params / 1e9:.2f}B, cpu cores {os.cpu_count()}")
+    if mm:
+        print(f"bf16 matmul {mm / 1e12:.0f} TFLOP/s -> prefill limit {limit:.0f} tok/s")
+
+    os.makedirs(args.out, exist_ok=True)
+    fixed = os.path.join(args.out, "fixed.parquet")
+    write_tokens(fixed, [seq] * n_fixed, cfg.vocab_size)
+    rng = np.random.default_rng(1)
+    mixed_lengths = np.clip(rng.lognormal(np.log(seq / 2), 0.7, n_fixed * 2), 64, seq * 3 // 2).astype(int)
+    mixed_lengths = mixed_lengths[: max(1, int(np.searchsorted(np.cumsum(mixed_lengths), n_fixed * seq)))]
+    mixed = os.path.join(args.out, "mixed.parquet")
+    write_tokens(mixed, mixed_lengths.tolist(), cfg.vocab_size, seed=2)
+
+    # warm-up: kernels, allocator, pinned-memory pool
+    warm = os.path.join(args.out, "warm.parquet")
+    write_tokens(warm, [seq] * max(2, budget // seq * 2), cfg.vocab_size, seed=3)
+    extract_shard(warm, "random", os.path.join(args.out, "warm.dfhs"), layer_ids=layers, model=model, device=dev,
+                  token_budget=budget, encode_threads=args.encode_threads)
+
+    rows = []
+    compiled = False
+    for case in args.cases.split(","):
+        if case.startswith("compiled") and not compiled:
+            t = time.perf_counter()
+            cap = LayerCapture(model, layers)
+            cap.compile()
+            cap.remove()  # the compiled forwards stay on the layers
+            extract_shard(warm, "random", os.path.join(args.out, "warm.dfhs"), layer_ids=layers, model=model,
+                          device=dev, token_budget=budget, encode_threads=args.encode_threads)
+            # a few mixed shapes: after the second one dynamo compiles a dynamic-shape graph used for all
+            warm_mixed = os.path.join(args.out, "warm-mixed.parquet")
+            write_tokens(warm_mixed, [seq // 3, seq // 2, seq * 3 // 4, seq - 100] * max(1, budget // seq),
+                         cfg.vocab_size, seed=4)
+            extract_shard(warm_mixed, "random", os.path.join(args.out, "warm.dfhs"), layer_ids=layers, model=model,
+                          device=dev, token_budget=budget, encode_threads=args.encode_threads, pad_multiple=64)
+            print(f"torch.compile of the layers + warm-up: {time.perf_counter() - t:.0f} s")
+            compiled = True
+        label = "compiled " if compiled else ""
+        case = case.replace("compiled-", "")
+        if case == "compute":
+            # the forward with hooks only (states stay on the GPU): the ceiling for the rest
+            cap = LayerCapture(model, layers)
+            x = torch.randint(0, cfg.vocab_size, (max(1, budget // seq), seq), device=dev)
+            reps = max(1, n_fixed * seq // x.numel())
+            with torch.inference_mode():
+                cap.run(x)
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(reps):
+                    f = cap.run(x)
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t
+            cap.remove()
+            del f
+            rows.append({"case": label + "compute only (hooks, early stop)", "tokens": reps * x.numel(),
+                         "tok_s": reps * x.numel() / dt, "ratio": None, "padding": 0.0})
+            continue
+        src = mixed if case.startswith("mixed") else fixed
+        name, _, where = case.replace("mixed-", "").partition("@")
+        codec, level = ("zstd", int(name[4:])) if name.startswith("zstd") else (name, 3)
+        out_dir = "/dev/shm" if where == "shm" else args.out
+        out = os.path.join(out_dir, f"{case}.dfhs")
+        for p in (out, out + ".partial", out + ".journal"):
+            if os.path.exists(p):
+                os.remove(p)
+        s = extract_shard(src, "random", out, layer_ids=layers, model=model, device=dev, codec=codec, level=level,
+                          token_budget=budget, encode_threads=args.encode_threads, flush_tokens=args.flush_tokens,
+                          pad_multiple=64 if compiled else 1)
+        rows.append({"case": label + f"{case} ({'mixed' if src == mixed else f'{seq}-tok'}{', /dev/shm' if where else ''})",
+                     "tokens": s["tokens"], "tok_s": s["tokens_per_s"], "ratio": s["compression_vs_bf16"],
+                     "padding": s["padding_waste"], "file_gb": s["file_bytes"] / 1e9})
+        os.remove(out)
+
+    print()
+    print(f"{'case':44s} {'tokens':>9s} {'tok/s':>9s} {'% limit':>8s} {'x SpecForge':>11s} {'bytes/bf16':>10s} {'pad':>6s}")
+    for r in rows:
+        pct = f"{100 * r['tok_s'] / limit:7.1f}%" if limit else "      -"
+        ratio = f"{r['ratio']:10.3f}" if r["ratio"] is not None else "         -"
+        print(f"{r['case']:44s} {r['tokens']:9d} {r['tok_s']:9.0f} {pct:>8s} {r['tok_s'] / SPECFORGE_TOK_S:11.2f} "
+              f"{ratio} {100 * r['padding']:5.1f}%")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"matmul_flops": mm, "prefill_limit_tok_s": limit, "rows": rows}, fh, indent=2)
+    shutil.rmtree(args.out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+# Hidden-state extraction (GPU-tagged, one job per shard) and the plan printed before any GPU work.
+
+EXTRACT = config["extract"]
+
+
+def _drafter_layers_json():
+    """Only what decides the target layers: the drafter's num_layers / target_layer_ids (training owns them)."""
+    d = config.get("drafter") or {}
+    return json.dumps({k: d[k] for k in ("num_layers", "target_layer_ids") if d.get(k) is not None}, sort_keys=True)
+
+
+rule plan:
+    input:
+        tokens=lambda wc: expand(os.path.join(R, "tokens/source/{shard}.parquet"), shard=shard_ids()),
+        model=target_model_files(),
+    output:
+        text=os.path.join(R, "plan.txt"),
+        json=os.path.join(R, "plan.json"),
+    params:
+        model=lambda wc, input: target_model_dir(input.model),
+        config=json.dumps({k: config.get(k) for k in ("generate", "tokenize", "extract", "drafter", "train")},
+                          sort_keys=True, default=str),
+        stats=os.path.join(R, "hidden/*.stats.json"),
+    log:
+        log("plan"),
+    conda:
+        ENV_CPU
+    shell:
+        # printed to the terminal as well: this is what the user must read before the GPUs start
+        "{PKG} plan --tokens {input.tokens} --model {params.model} --config {params.config:q} "
+        "--hidden-stats {params.stats:q} --out {output.text} --json {output.json} 2>&1 | tee {log}; "
+        "exit ${{PIPESTATUS[0]}}"
+
+
+rule extract:
+    input:
+        tokens=lambda wc: os.path.join(R, "tokens", training_dataset(), f"{wc.shard}.parquet"),
+        gate=lambda wc: os.path.join(R, "audit", training_dataset(), "gate.ok"),
+        # ordering only: the plan is printed before extraction starts, and a new plan redoes no shard
+        plan=ancient(os.path.join(R, "plan.txt")),
+        model=target_model_files(),
+    output:
+        hidden=os.path.join(R, "hidden/{shard}.dfhs"),
+        stats=os.path.join(R, "hidden/{shard}.stats.json"),
+    params:
+        model=lambda wc, input: target_model_dir(input.model),
+        drafter=_drafter_layers_json(),
+        codec=EXTRACT["codec"],
+        level=EXTRACT["level"],
+        dtype=EXTRACT["dtype"],
+        device=EXTRACT["device"],
+        compile=str(EXTRACT["compile"]).lower(),
+        token_budget=EXTRACT["token_budget"],
+        flush_tokens=EXTRACT["flush_tokens"],
+        threads=EXTRACT["encode_threads"],
+        attn=EXTRACT["attn_implementation"],
+        trust="--trust-remote-code" if config["target"].get("trust_remote_code") else "",
+    resources:
+        gpu=EXTRACT["gpus"],
+    threads: EXTRACT["encode_threads"]
+    log:
+        log("extract/{shard}"),
+    benchmark:
+        bench("extract/{shard}")
+    conda:
+        ENV_GPU
+    shell:
+        # a killed job leaves {output.hidden}.partial + .journal behind: the rerun resumes from them
+        "{PKG} extract --tokens {input.tokens} --model {params.model} --out {output.hidden} "
+        "--stats {output.stats} --drafter-config {params.drafter:q} --codec {params.codec} --level {params.level} "
+        "--dtype {params.dtype} --device {params.device} --compile {params.compile} "
+        "--token-budget {params.token_budget} --flush-tokens {params.flush_tokens} "
+        "--encode-threads {params.threads} --attn-implementation {params.attn} {params.trust} > {log} 2>&1"
+
+
+add_final_target(lambda: [os.path.join(R, "plan.txt")])

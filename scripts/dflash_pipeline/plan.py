@@ -1,0 +1,186 @@
+"""The plan, printed before any GPU starts: samples, tokens per stage, hidden-state bytes, GPU hours.
+
+It reads the source token shards (they exist before generation), the target's config.json, and the
+extract stage's per-shard stats if any shard is done (measured throughput and compression on this target);
+otherwise it scales the throughput measured on an H200 for a Qwen3-8B-shaped target by parameter count.
+When the hidden states would not fit comfortably on a disk it says so and prices the alternatives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+
+from dflash_pipeline import storage
+from dflash_pipeline.target_layers import resolve_target_layer_ids
+
+# measured by benchmarks/extract_throughput.py on one H200 (see README): Qwen3-8B shape, compiled layers,
+# zstd level 1, written to local disk; and the lossless / fp8 ratios on its states
+REFERENCE_TOK_S = 25_800
+REFERENCE_PARAMS = 7.57e9
+REFERENCE_GPU = "H200"
+DEFAULT_RATIO = {"zstd": 0.69, "raw": 1.0, "fp8": 0.41}
+TB = 1e12
+
+
+def target_shape(model_dir: str) -> dict:
+    cfg = storage.read_json(os.path.join(model_dir, "config.json"))
+    t = cfg.get("text_config") or cfg
+    H, L = int(t["hidden_size"]), int(t["num_hidden_layers"])
+    heads = int(t.get("num_attention_heads", 1))
+    hd = int(t.get("head_dim") or H // heads)
+    kv = int(t.get("num_key_value_heads", heads))
+    attn = H * hd * (2 * heads + 2 * kv)
+    if t.get("num_experts"):
+        inter = int(t.get("moe_intermediate_size", t.get("intermediate_size", 4 * H)))
+        mlp = 3 * H * inter * int(t.get("num_experts_per_tok", 1)) + 3 * H * int(t.get("shared_expert_intermediate_size", 0))
+    else:
+        mlp = 3 * H * int(t.get("intermediate_size", 4 * H))
+    return {"hidden_size": H, "num_layers": L, "active_params": L * (attn + mlp),
+            "model_type": cfg.get("model_type")}
+
+
+def token_stats(paths) -> dict:
+    import pyarrow.parquet as pq
+
+    out = {"samples": 0, "tokens": 0, "loss_tokens": 0, "lengths": [], "prompt_lengths": []}
+    for p in paths:
+        with storage.open_binary(p) as fh:
+            t = pq.read_table(fh, columns=["length", "num_loss_tokens"])
+        lengths = t.column("length").to_pylist()
+        out["samples"] += len(lengths)
+        out["tokens"] += sum(lengths)
+        out["loss_tokens"] += sum(t.column("num_loss_tokens").to_pylist())
+        out["lengths"].extend(lengths)
+        out["prompt_lengths"].extend(a - b for a, b in zip(lengths, t.column("num_loss_tokens").to_pylist()))
+    return out
+
+
+def measured(stats_glob: str | None):
+    files = sorted(glob.glob(stats_glob)) if stats_glob else []
+    tok = secs = stored = raw = 0
+    for f in files:
+        s = storage.read_json(f)
+        tok += s.get("tokens", 0)
+        secs += s.get("seconds_extract") or 0
+        stored += s.get("stored_bytes", 0)
+        raw += s.get("raw_bf16_bytes", 0)
+    if not tok or not secs:
+        return None
+    return {"shards": len(files), "tok_s": tok / secs, "ratio": stored / raw if raw else None}
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: dict, extract: dict,
+              train: dict | None = None, measured_run: dict | None = None, scale: float = 1.0,
+              gpu_tok_s: float | None = None) -> dict:
+    """All the numbers of the plan (pure: testable without files). `scale` extrapolates the token files
+    to a dataset `scale` times larger (plan a full run from a sample)."""
+    n = tok["samples"] * scale
+    max_len = int(tokenize.get("max_length", 3072))
+    prompt = (tok["tokens"] - tok["loss_tokens"]) * scale
+    response_src = tok["loss_tokens"] * scale
+    plan = {"samples": n, "source_tokens": tok["tokens"] * scale, "prompt_tokens": prompt,
+            "source_response_tokens": response_src}
+    if generate.get("enabled"):
+        max_new = int(generate.get("max_new_tokens", 2048))
+        plan["generate_response_tokens_max"] = n * max_new
+        # regenerated samples: each prompt plus at most max_new new tokens, cut at max_length (upper bound)
+        plan["extract_tokens"] = sum(min(max_len, p + max_new) for p in tok["prompt_lengths"]) * scale
+    else:
+        plan["extract_tokens"] = sum(min(max_len, L) for L in tok["lengths"]) * scale
+    codec = extract.get("codec", "zstd")
+    ratio = (measured_run or {}).get("ratio") or DEFAULT_RATIO.get(codec, 1.0)
+    per_token_raw = len(layer_ids) * shape["hidden_size"] * 2
+    plan.update({"codec": codec, "ratio": ratio, "bytes_per_token_raw": per_token_raw,
+                 "hidden_bytes_raw": plan["extract_tokens"] * per_token_raw,
+                 "hidden_bytes": plan["extract_tokens"] * per_token_raw * ratio,
+                 "hidden_bytes_fp8": plan["extract_tokens"] * per_token_raw * DEFAULT_RATIO["fp8"]})
+    if measured_run:
+        tok_s, source = measured_run["tok_s"], f"measured on {measured_run['shards']} extracted shard(s) of this run"
+    elif gpu_tok_s:
+        tok_s, source = gpu_tok_s, "from config extract.assumed_tokens_per_s"
+    else:
+        tok_s = REFERENCE_TOK_S * REFERENCE_PARAMS / max(shape["active_params"], 1e6)
+        source = (f"scaled by parameter count from {REFERENCE_TOK_S} tok/s measured on one {REFERENCE_GPU} "
+                  f"for a Qwen3-8B-shaped target")
+    plan.update({"extract_tok_s": tok_s, "extract_tok_s_source": source,
+                 "extract_gpu_hours": plan["extract_tokens"] / tok_s / 3600})
+    epochs = int((train or {}).get("epochs", 6))
+    plan["train_tokens"] = plan["extract_tokens"] * epochs
+    plan["train_epochs"] = epochs
+    return plan
+
+
+def render(plan: dict, shape: dict, layer_ids, disk_warn_bytes: float = 1 * TB) -> str:
+    f = lambda x: f"{x:,.0f}"  # noqa: E731
+    lines = [
+        "PLAN (before any GPU work)",
+        f"  target: {shape['model_type']}, {shape['num_layers']} layers, hidden {shape['hidden_size']}, "
+        f"~{shape['active_params'] / 1e9:.2f}B active non-embedding params; drafter features from layers {layer_ids}",
+        f"  samples: {f(plan['samples'])}",
+        f"  source tokens: {f(plan['source_tokens'])} (prompt {f(plan['prompt_tokens'])}, "
+        f"response {f(plan['source_response_tokens'])})",
+    ]
+    if "generate_response_tokens_max" in plan:
+        lines.append(f"  generate: {f(plan['samples'])} prompts, {f(plan['prompt_tokens'])} prompt tokens, "
+                     f"at most {f(plan['generate_response_tokens_max'])} response tokens")
+    lines += [
+        f"  extract: at most {f(plan['extract_tokens'])} tokens x {len(layer_ids)} layers x {shape['hidden_size']} "
+        f"x 2 bytes = {human_bytes(plan['hidden_bytes_raw'])} raw bf16; stored with codec {plan['codec']} "
+        f"(x{plan['ratio']:.2f}): {human_bytes(plan['hidden_bytes'])}",
+        f"  extract GPU time: {plan['extract_gpu_hours']:.2f} GPU-hours at {plan['extract_tok_s']:,.0f} tok/s "
+        f"({plan['extract_tok_s_source']})",
+        f"  train: {f(plan['train_tokens'])} tokens over {plan['train_epochs']} epochs",
+    ]
+    if plan["hidden_bytes"] >= disk_warn_bytes:
+        hb = plan["hidden_bytes"]
+        lines += [
+            "",
+            f"  WARNING: the hidden states take {human_bytes(hb)}"
+            + (" - tens of terabytes" if hb >= 10 * TB else "") + ". Before starting, consider:",
+            f"    - fewer samples: every 10% fewer samples saves {human_bytes(hb * 0.1)}",
+            f"    - a lower tokenize.max_length (fewer tokens per sample; long samples dominate)",
+            f"    - extract.codec: fp8 (lossy, e4m3 + per-row scale): {human_bytes(plan['hidden_bytes_fp8'])}",
+            "    - online training: compute the target's features inside the training step instead of storing them "
+            f"(no storage; costs a target forward per sample per epoch, ~{plan['extract_gpu_hours'] * plan['train_epochs']:.0f} "
+            "GPU-hours over all epochs)",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", nargs="+", required=True, help="token shards (the source dataset)")
+    p.add_argument("--model", required=True, help="target model directory (its config.json)")
+    p.add_argument("--config", default="{}", help="JSON of the config sections generate, tokenize, extract, drafter, train")
+    p.add_argument("--hidden-stats", help="glob of extracted shards' .stats.json (measured throughput, compression)")
+    p.add_argument("--scale", type=float, default=1.0, help="extrapolate to a dataset this many times larger")
+    p.add_argument("--out", help="write the plan text here (it is printed too)")
+    p.add_argument("--json", help="write the plan numbers here")
+
+
+def run(args) -> int:
+    cfg = json.loads(args.config)
+    shape = target_shape(args.model)
+    layer_ids = resolve_target_layer_ids(cfg.get("drafter"), shape["num_layers"])
+    tok = token_stats(args.tokens)
+    extract_cfg = cfg.get("extract") or {}
+    plan = make_plan(tok, shape, layer_ids, generate=cfg.get("generate") or {}, tokenize=cfg.get("tokenize") or {},
+                     extract=extract_cfg, train=cfg.get("train"), measured_run=measured(args.hidden_stats),
+                     scale=args.scale, gpu_tok_s=extract_cfg.get("assumed_tokens_per_s"))
+    text = render(plan, shape, layer_ids, disk_warn_bytes=float(extract_cfg.get("warn_bytes", TB)))
+    print(text, end="")
+    if args.out:
+        with storage.atomic_open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    if args.json:
+        storage.write_json(args.json, {**plan, "target": shape, "target_layer_ids": layer_ids})
+    return 0

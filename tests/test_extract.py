@@ -1,0 +1,155 @@
+"""Hidden-state extraction on CPU with the tiny target (and a tiny hybrid GDN model)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import BIN
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.extract import LayerCapture, extract_shard, load_target, token_budget_batches
+from dflash_pipeline.hidden_states_format import HiddenStateShardReader
+
+
+def _token_shard(path, n=12, vocab=1000, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = {"sample_id": [], "input_ids": [], "loss_mask": [], "length": [], "num_loss_tokens": [], "truncated": []}
+    for i in range(n):
+        t = int(rng.integers(3, 90))
+        ids = rng.integers(0, vocab, t).astype(np.int32)
+        mask = np.zeros(t, dtype=np.int8)
+        mask[t // 2:] = 1
+        rows["sample_id"].append(f"x-{i:04d}")
+        rows["input_ids"].append(ids.tolist())
+        rows["loss_mask"].append(mask.tolist())
+        rows["length"].append(t)
+        rows["num_loss_tokens"].append(int(mask.sum()))
+        rows["truncated"].append(False)
+    # one sample without supervised tokens: skipped
+    rows["loss_mask"][3] = [0] * rows["length"][3]
+    rows["num_loss_tokens"][3] = 0
+    schema = pa.schema([("sample_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.int8())), ("length", pa.int32()),
+                        ("num_loss_tokens", pa.int32()), ("truncated", pa.bool_())])
+    pq.write_table(pa.table(rows, schema=schema), path)
+    return rows
+
+
+def _reference(model, ids, layer_ids):
+    with torch.inference_mode():
+        out = model(input_ids=torch.as_tensor(ids, dtype=torch.long)[None], output_hidden_states=True)
+    return torch.stack([out.hidden_states[i + 1][0] for i in layer_ids], dim=1)
+
+
+def test_hook_capture_equals_output_hidden_states(tiny_target):
+    model = load_target(str(tiny_target), "cpu")
+    x = torch.randint(0, 1000, (3, 40))
+    cap = LayerCapture(model, [0, 2, 5])
+    with torch.inference_mode():
+        got = cap.run(x)
+        ref = model(input_ids=x, output_hidden_states=True).hidden_states
+    cap.remove()
+    assert got.shape == (3, 40, 3, model.config.hidden_size)
+    for k, i in enumerate([0, 2, 5]):
+        assert torch.equal(got[:, :, k], ref[i + 1])
+    with pytest.raises(PipelineError, match="out of range"):
+        LayerCapture(model, [1, 8])
+
+
+def test_token_budget_batches_sorted_and_bounded():
+    lengths = [5, 100, 7, 64, 64, 3, 200, 9]
+    batches = token_budget_batches(lengths, 256)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 256
+    assert batches[0] == [6]  # longest first, alone
+    for b in token_budget_batches([100, 95, 90, 70, 60, 10, 9], 10_000, max_padding=0.2):
+        longest = max([100, 95, 90, 70, 60, 10, 9][i] for i in b)
+        assert all([100, 95, 90, 70, 60, 10, 9][i] >= 0.8 * longest for i in b)
+
+
+def test_extract_matches_reference_forward(tiny_target, tmp_path):
+    rows = _token_shard(tmp_path / "t.parquet")
+    out = tmp_path / "h.dfhs"
+    stats = extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(out), layer_ids=[1, 3, 5],
+                          dtype="float32", token_budget=200, device="cpu", flush_tokens=50,
+                          stats_path=str(tmp_path / "h.stats.json"))
+    r = HiddenStateShardReader(out)
+    assert r.metadata["target_layer_ids"] == [1, 3, 5] and r.metadata["num_layers"] == 8
+    assert r.metadata["hidden_size"] == 128 and r.metadata["dtype"] == "float32"
+    assert sorted(r.sample_ids) == sorted(s for i, s in enumerate(rows["sample_id"]) if i != 3)
+    assert stats["samples"] == 11 and stats["skipped_unsupervised"] == 1
+    assert stats["tokens"] == sum(rows["length"]) - rows["length"][3]
+    model = load_target(str(tiny_target), "cpu")
+    for sid in r.sample_ids:
+        i = rows["sample_id"].index(sid)
+        got = r.read(r.index_of(sid))
+        assert np.array_equal(got["input_ids"], rows["input_ids"][i])
+        assert np.array_equal(got["loss_mask"], rows["loss_mask"][i])
+        ref = _reference(model, rows["input_ids"][i], [1, 3, 5])
+        # right padding without a mask changes nothing for the real tokens (batched fp32 matmuls may round)
+        torch.testing.assert_close(got["hidden"], ref, rtol=1e-4, atol=1e-5)
+    assert (tmp_path / "h.stats.json").exists()
+
+
+def test_extract_default_layers_from_drafter_config(tiny_target, tmp_path):
+    _token_shard(tmp_path / "t.parquet", n=5)
+    out = tmp_path / "h.dfhs"
+    extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(out), drafter_config={"num_layers": 3},
+                  device="cpu", codec="fp8")
+    assert HiddenStateShardReader(out).metadata["target_layer_ids"] == [1, 3, 5]
+    with pytest.raises(PipelineError, match="out of range"):
+        extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(tmp_path / "bad.dfhs"),
+                      drafter_config={"target_layer_ids": [1, 9]}, device="cpu")
+
+
+def test_resume_after_kill(tiny_target, tmp_path):
+    _token_shard(tmp_path / "t.parquet", n=16)
+    out = tmp_path / "h.dfhs"
+    cmd = [str(BIN / "dflash-pipeline"), "extract", "--tokens", str(tmp_path / "t.parquet"), "--model",
+           str(tiny_target), "--out", str(out), "--target-layer-ids", "1,5", "--token-budget", "100",
+           "--flush-tokens", "60", "--device", "cpu", "--encode-threads", "1"]
+    env = dict(os.environ, DFLASH_TEST_KILL_AFTER_FLUSHES="2")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr  # killed for real, no cleanup
+    assert not out.exists() and (tmp_path / "h.dfhs.partial").exists()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming" in proc.stderr
+    r = HiddenStateShardReader(out)
+    assert len(r) == 15 and len(set(r.sample_ids)) == 15
+    r.verify_all()
+    fresh = tmp_path / "fresh.dfhs"
+    subprocess.run(cmd[:7] + [str(fresh)] + cmd[8:], check=True, capture_output=True)
+    f = HiddenStateShardReader(fresh)
+    for sid in f.sample_ids:
+        a, b = r.read(r.index_of(sid)), f.read(f.index_of(sid))
+        torch.testing.assert_close(a["hidden"].float(), b["hidden"].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_hybrid_gdn_model_capture(tmp_path):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+                          linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=32, full_attention_interval=2)
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "hybrid")
+    model = load_target(str(tmp_path / "hybrid"), "cpu")
+    x = torch.randint(0, 300, (2, 24))
+    cap = LayerCapture(model, [0, 1, 2])
+    with torch.inference_mode():
+        got = cap.run(x)
+        ref = model(input_ids=x, output_hidden_states=True).hidden_states
+    cap.remove()
+    for k, i in enumerate([0, 1, 2]):
+        torch.testing.assert_close(got[:, :, k], ref[i + 1], rtol=0, atol=0)
