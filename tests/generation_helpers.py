@@ -60,7 +60,7 @@ def wait_health(url: str, timeout: float = 60.0) -> None:
     raise TimeoutError(url)
 
 
-class TestServer:
+class SGLangTestServer:
     """The SGLang-speaking test server in a subprocess on a free 127.0.0.1 port."""
 
     def __init__(self, model: Path, *args: str, log: Path | None = None):

@@ -15,7 +15,8 @@ Answers come from one of two engines:
 
 Fault injection (a fraction `--fault-rate` of the POST requests, kinds drawn from `--faults`):
 `500`/`503` (HTTP errors), `drop` (connection closed without a response), `truncate` (a response body cut
-short), `delay` (an answer after `--fault-delay` seconds, for client timeouts). `--delay` adds latency to every
+short), `delay` (an answer after `--fault-delay` seconds, for client timeouts), `empty` (a 200 answer with
+empty content; chat endpoint). `--delay` adds latency to every
 request, `--die-after N` kills the process (`os._exit`) on the N-th POST, like a crashed server.
 
 It accepts `sglang.launch_server`'s flags (unknown ones are ignored), so the pipeline's SGLang launcher can
@@ -104,6 +105,11 @@ class Server:
         if kind == "drop":
             request.transport.close()
             raise asyncio.CancelledError  # nothing is sent
+        if kind == "empty":
+            return web.json_response({"id": "empty", "object": "chat.completion", "choices": [
+                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "",
+                                                                  "reasoning_content": None}}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
         if kind == "delay":
             await asyncio.sleep(self.args.fault_delay)
             return None

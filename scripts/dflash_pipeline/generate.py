@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     be.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
     be.add_argument("--all-down-timeout", type=float, default=600.0,
                     help="stop the run when every server has been down this long (s)")
+    be.add_argument("--revive-after", type=float, default=5.0,
+                    help="seconds before a server taken out is probed again (doubling while it stays down)")
     be.add_argument("--sglang-json", default="{}", help="config generate.sglang as JSON (launch flags)")
     be.add_argument("--server-log-dir", help="sglang backend: server logs go here")
     be.add_argument("--devices", help="sglang backend: GPU ids to use (default: CUDA_VISIBLE_DEVICES)")
@@ -324,7 +326,8 @@ def _engine(args, urls: list[str] | None = None):
             return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                            enable_thinking=enable_thinking)
     return HTTPEngine(urls or args.servers, max_in_flight=args.max_in_flight, request_timeout_s=args.request_timeout,
-                      api=args.api, model=args.model_name, render=render, all_down_timeout_s=args.all_down_timeout)
+                      api=args.api, model=args.model_name, render=render, all_down_timeout_s=args.all_down_timeout,
+                      revive_after_s=args.revive_after)
 
 
 async def _amain(jobs, args, urls) -> list[dict]:

@@ -1,0 +1,339 @@
+"""Generation: the client against real HTTP servers (the SGLang-speaking test server), the hf backend with the
+tiny target, exactly-once under kill -9, faults, dead servers, and the sglang launcher's code path."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import BIN, REPO, run_cli
+from generation_helpers import SERVER, SGLangTestServer, free_port, read_completions, read_summary, write_shard
+from sglang_test_server import instant_answer
+
+FAST = ["--backoff-base", "0.02", "--backoff-max", "0.2", "--revive-after", "0.5", "--progress-interval", "0.5"]
+
+
+def gen(inp, out, *args, check=True, **kw):
+    return run_cli("generate", "--input", inp, "--out", out, *FAST, *args, check=check, **kw)
+
+
+def answer_of(messages_before: list[dict], words: int = 12) -> tuple[str, str]:
+    return instant_answer([{"role": m["role"], "content": m["content"]} for m in messages_before], words)
+
+
+def assert_one_row_per_sample(out: Path, rows: list[dict]) -> list[dict]:
+    got = read_completions(out)
+    assert [r["sample_id"] for r in got] == [r["sample_id"] for r in rows]  # one row each, input order
+    return got
+
+
+def assert_answers_belong(got: list[dict]) -> None:
+    """Every stored answer is the instant server's answer to *this* sample's conversation so far."""
+    for row in got:
+        assert row["status"] == "ok", row
+        msgs = row["messages"]
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                thinking, answer = answer_of(msgs[:i])
+                assert m["content"] == answer
+                assert m["reasoning_content"] == thinking
+
+
+# ------------------------------------------------------------------------------------------------------
+def test_hf_backend_regenerates_every_sample_and_rerun_skips_done(tmp_path, tiny_target):
+    rows = write_shard(tmp_path / "in.parquet", 24, seed=1)
+    out = tmp_path / "out" / "shard-00000.parquet"
+    gen(tmp_path / "in.parquet", out, "--backend", "hf", "--model", tiny_target, "--max-new-tokens", "16",
+        "--temperature", "0.8", "--seed", "3", "--threads", "1", "--batch-size", "8", "--turns", "all")
+    got = assert_one_row_per_sample(out, rows)
+    for src, row in zip(rows, got):
+        assert row["status"] == "ok" and row["failure_reason"] is None
+        assert row["model"] == str(tiny_target)
+        params = json.loads(row["sampling_params"])
+        assert params["max_new_tokens"] == 16 and params["temperature"] == 0.8 and params["turns"] == "all"
+        users = [m["content"] for m in src["messages"] if m["role"] == "user"]
+        assert [m["content"] for m in row["messages"] if m["role"] == "user"] == users
+        n_assist = sum(m["role"] == "assistant" for m in row["messages"])
+        assert n_assist == row["generated_turns"] == sum(m["role"] == "assistant" for m in src["messages"])
+        assert row["messages"][-1]["role"] == "assistant" and row["messages"][-1]["content"] != "OK."
+        assert row["completion_tokens"] > 0 and row["prompt_tokens"] > 0
+    summary = read_summary(out)
+    assert summary["samples"] == 24 and summary["ok"] == 24 and summary["this_run"]["requests"] >= 24
+    # a rerun with the output gone rebuilds it from the journal without generating anything
+    out.unlink()
+    gen(tmp_path / "in.parquet", out, "--backend", "hf", "--model", tiny_target, "--max-new-tokens", "16",
+        "--temperature", "0.8", "--seed", "3", "--threads", "1", "--batch-size", "8", "--turns", "all")
+    summary = read_summary(out)
+    assert summary["resumed_from_journal"] == 24 and summary["this_run"]["requests"] == 0
+    assert read_completions(out) == got
+
+
+def test_chat_with_model_engine_and_generate_api(tmp_path, tiny_target):
+    """The test server backed by the tiny model, through both /v1/chat/completions and /generate."""
+    rows = write_shard(tmp_path / "in.parquet", 6, seed=2)
+    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3") as server:
+        for api in ("chat", "generate"):
+            out = tmp_path / api / "s-00000.parquet"
+            gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url, "--api", api,
+                "--model", tiny_target, "--max-new-tokens", "8", "--temperature", "0")
+            got = assert_one_row_per_sample(out, rows)
+            assert all(r["status"] == "ok" and r["model"] == str(tiny_target) for r in got)
+            assert all(r["completion_tokens"] > 0 for r in got)
+            assert all(r["finish_reason"] in ("stop", "length") for r in got)
+
+
+def test_turns_all_continue_from_the_models_own_answers(tmp_path, tiny_target):
+    multi = [[{"role": "system", "content": "Be brief.", "reasoning_content": None},
+              {"role": "user", "content": f"Question {i}?", "reasoning_content": None},
+              {"role": "assistant", "content": "OK.", "reasoning_content": None},
+              {"role": "user", "content": "And then?", "reasoning_content": None},
+              {"role": "assistant", "content": "OK.", "reasoning_content": None},
+              {"role": "user", "content": "Last one", "reasoning_content": None}] for i in range(4)]
+    rows = write_shard(tmp_path / "in.parquet", 4, seed=3, extra=multi)
+    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3") as server:
+        for turns in ("first", "all"):
+            out = tmp_path / turns / "s-00000.parquet"
+            gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url, "--turns", turns)
+            got = assert_one_row_per_sample(out, rows)
+            assert_answers_belong(got)  # checks the thinking too: reasoning_content is stored separately
+            by_id = {r["sample_id"]: r for r in got}
+            for conv in multi:
+                row = by_id[rows[[r["messages"] for r in rows].index(conv)]["sample_id"]]
+                roles = [m["role"] for m in row["messages"]]
+                if turns == "first":
+                    assert roles == ["system", "user", "assistant"]
+                else:  # 2 original assistant turns replaced + an answer to the trailing user turn
+                    assert roles == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
+                    assert row["generated_turns"] == 3
+                    assert all(m["content"] != "OK." for m in row["messages"])
+
+
+@pytest.mark.parametrize("policy", ["keep", "drop", "retry"])
+def test_finish_reason_length_policy(tmp_path, tiny_target, policy):
+    rows = write_shard(tmp_path / "in.parquet", 8, seed=4)
+    out = tmp_path / "s-00000.parquet"
+    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3",
+                    "--answer-words", "12") as server:
+        gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url, "--max-new-tokens", "5",
+            "--on-length", policy, "--length-retry-max-new-tokens", "32")
+    got = assert_one_row_per_sample(out, rows)
+    summary = read_summary(out)
+    assert summary["this_run"]["length"] == 8  # every first answer was cut: counted, whatever the policy
+    if policy == "keep":
+        assert all(r["status"] == "ok" and r["finish_reason"] == "length" for r in got)
+        assert all(len(r["messages"][-1]["content"].split()) == 5 for r in got)
+        assert summary["finish_reason_length"] == 8
+    elif policy == "drop":
+        assert all(r["status"] == "failed" and r["failure_reason"].startswith("finish_reason=length") for r in got)
+        assert all(all(m["role"] != "assistant" for m in r["messages"]) for r in got)  # never training data
+    else:
+        assert all(r["status"] == "ok" and r["finish_reason"] == "stop" and r["attempts"] == 2 for r in got)
+        assert_answers_belong(got)
+
+
+def test_permanent_failures_recorded_once_and_empty_answers_counted(tmp_path, tiny_target):
+    long = [[{"role": "user", "content": " ".join(["word"] * 80), "reasoning_content": None},
+             {"role": "assistant", "content": "OK.", "reasoning_content": None}]]
+    rows = write_shard(tmp_path / "in.parquet", 6, seed=5, extra=long)
+    out = tmp_path / "s-00000.parquet"
+    with SGLangTestServer(tiny_target, "--engine", "instant", "--context-length", "40") as server:
+        gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url)
+        got = assert_one_row_per_sample(out, rows)
+        bad = [r for r in got if r["status"] == "failed"]
+        assert len(bad) == 1 and bad[0]["failure_reason"].startswith("prompt too long")
+        assert bad[0]["attempts"] == 1  # not retried
+        # a rerun does not send it again
+        out.unlink()
+        gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url)
+        assert read_summary(out)["this_run"]["requests"] == 0
+    out2 = tmp_path / "empty" / "s-00000.parquet"
+    with SGLangTestServer(tiny_target, "--engine", "instant", "--fault-rate", "1.0", "--faults", "empty") as server:
+        gen(tmp_path / "in.parquet", out2, "--backend", "servers", "--servers", server.url, "--empty-retries", "1")
+    got = assert_one_row_per_sample(out2, rows)
+    assert all(r["status"] == "failed" and r["failure_reason"].startswith("empty response") for r in got)
+    summary = read_summary(out2)
+    assert summary["this_run"]["empty"] == 2 * len(rows)  # counted, retried once, then failed
+    assert summary["failed"] == len(rows)
+
+
+def test_twenty_percent_faults_all_complete(tmp_path, tiny_target):
+    rows = write_shard(tmp_path / "in.parquet", 60, seed=6)
+    out = tmp_path / "s-00000.parquet"
+    stats = tmp_path / "stats.json"
+    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3", "--fault-rate", "0.2",
+                    "--faults", "500,503,drop,truncate,delay", "--fault-delay", "3", "--stats-file", stats,
+                    "--seed", "1") as server:
+        gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url,
+            "--request-timeout", "1", "--max-in-flight", "8", "--max-retries", "20")
+    got = assert_one_row_per_sample(out, rows)
+    assert_answers_belong(got)
+    faults = json.loads(stats.read_text())["faults"]
+    assert faults >= 5
+    assert read_summary(out)["this_run"]["retries"] >= faults - 1
+
+
+def test_dead_server_among_several(tmp_path, tiny_target):
+    rows = write_shard(tmp_path / "in.parquet", 60, seed=7)
+    out = tmp_path / "s-00000.parquet"
+    never = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3", "--delay", "0.01") as a, \
+            SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3", "--delay", "0.01") as b, \
+            SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3",
+                       "--die-after", "6") as dying:
+        proc = gen(tmp_path / "in.parquet", out, "--backend", "servers", "--max-in-flight", "4",
+                   "--servers", a.url, never, dying.url, b.url)
+        assert dying.proc.wait(5) != 0  # it really died mid-run
+    got = assert_one_row_per_sample(out, rows)
+    assert_answers_belong(got)
+    assert "taken out" in proc.stderr and never in proc.stderr
+
+
+def _journal_lines(path: Path) -> int:
+    return sum(1 for line in path.read_bytes().split(b"\n")[1:] if line.strip().endswith(b"}"))
+
+
+def test_kill9_at_random_points_then_rerun_exactly_one_row_each(tmp_path, tiny_target):
+    rows = write_shard(tmp_path / "in.parquet", 200, seed=8)
+    out = tmp_path / "s-00000.parquet"
+    journal = tmp_path / "journal" / "s-00000.jsonl"
+    stats = tmp_path / "stats.json"
+    rng = random.Random(0)
+    cmd = [str(BIN / "dflash-pipeline"), "generate", "--input", str(tmp_path / "in.parquet"), "--out", str(out),
+           *FAST, "--backend", "servers", "--max-in-flight", "4", "--flush-every", "4", "--flush-interval", "0.2"]
+    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3", "--delay", "0.1",
+                    "--stats-file", stats) as server:
+        cmd += ["--servers", server.url]
+        kills = 0
+        for trial in range(4):
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(rng.uniform(1.0, 3.0))
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                kills += 1
+            proc.wait()
+            done_before = _journal_lines(journal) if journal.exists() else 0
+            assert done_before <= len(rows)
+        assert kills >= 2, "the runs finished before they could be killed: slow the server down"
+        posts_before = json.loads(stats.read_text())["posts"]
+        done_in_journal = len({json.loads(l)["sample_id"] for l in journal.read_bytes().split(b"\n")[1:]
+                               if l.strip().endswith(b"}")})
+        run_cli(*cmd[1:])
+        posts_rerun = json.loads(stats.read_text())["posts"] - posts_before
+    got = assert_one_row_per_sample(out, rows)
+    assert_answers_belong(got)
+    summary = read_summary(out)
+    assert summary["resumed_from_journal"] == done_in_journal
+    assert posts_rerun == len(rows) - done_in_journal  # the rerun sent exactly the samples not yet done
+    assert posts_before - done_in_journal <= kills * (4 + 4)  # a kill loses at most in flight + one batch
+
+
+def test_journal_torn_tail_and_s3_mirror(tmp_path, monkeypatch):
+    from moto.server import ThreadedMotoServer
+
+    from dflash_pipeline.generation_journal import Journal
+
+    port = free_port()
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    moto.start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        import boto3
+
+        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}").create_bucket(Bucket="gen-journal")
+        settings = {"model": "m", "t": 0.6}
+        path = tmp_path / "j" / "s.jsonl"
+        j = Journal(path, "s", settings, flush_every=3, mirror="s3://gen-journal/run/journal/s", mirror_interval_s=0.1)
+        for i in range(7):
+            j.add({"sample_id": f"id{i}", "status": "ok"})
+        j.close()
+        with open(path, "ab") as fh:
+            fh.write(b'{"sample_id": "id7", "sta')  # torn by a kill in the middle of a write
+        j = Journal(path, "s", settings)
+        assert sorted(j.done) == [f"id{i}" for i in range(7)]
+        j.add({"sample_id": "id8", "status": "ok"})
+        j.close()
+        assert sorted(Journal(path, "s", settings).done) == [f"id{i}" for i in range(7)] + ["id8"]
+        # a lost node: the local journal is gone, the mirror brings back everything it had
+        path.unlink()
+        j = Journal(path, "s", settings, mirror="s3://gen-journal/run/journal/s")
+        assert sorted(j.done) == [f"id{i}" for i in range(7)]
+        j.close()
+        # other settings never reuse the mirror's records
+        other = tmp_path / "k" / "s.jsonl"
+        assert Journal(other, "s", {"model": "other"}, mirror="s3://gen-journal/run/journal/s").done == {}
+    finally:
+        moto.stop()
+
+
+def test_sglang_backend_launches_and_always_stops_its_server(tmp_path, tiny_target):
+    """The sglang backend's launcher, with the test server as the launch command (same code path)."""
+    rows = write_shard(tmp_path / "in.parquet", 20, seed=9)
+    out = tmp_path / "s-00000.parquet"
+    stats = tmp_path / "stats.json"
+    cfg = {"launch_command": [sys.executable, str(SERVER), "--engine", "instant", "--delay", "0.3",
+                              "--stats-file", str(stats), "--startup-delay", "0.5"],
+           "reasoning_parser": "qwen3", "mem_fraction_static": 0.8, "context_length": 4096, "instances": 2,
+           "max_in_flight": 2, "startup_timeout_s": 60}
+    args = ["--backend", "sglang", "--model", str(tiny_target), "--sglang-json", json.dumps(cfg),
+            "--server-log-dir", str(tmp_path / "logs"), "--devices", "0,1"]
+    cmd = [str(BIN / "dflash-pipeline"), "generate", "--input", str(tmp_path / "in.parquet"), "--out", str(out),
+           *FAST, *args]
+    # 1. SIGTERM in the middle: the servers go down with the job
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not stats.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pid = json.loads(stats.read_text())["pid"]
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode != 0 and not out.exists()
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    logs = sorted((tmp_path / "logs").glob("server-*.log"))
+    assert len(logs) == 2  # two instances, one log each
+    assert "--mem-fraction-static 0.8" in err and "--reasoning-parser qwen3" in err
+    # 2. the rerun completes from the journal and stops its servers on success
+    stats.unlink()
+    done = run_cli(*cmd[1:])
+    got = assert_one_row_per_sample(out, rows)
+    assert_answers_belong(got)
+    pid = json.loads(stats.read_text())["pid"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert "healthy" in done.stderr
+    # 3. a server that cannot start: a clear error with its log, and nothing left running
+    bad = dict(cfg, launch_command=[sys.executable, "-c", "import sys; print('boom: no GPU'); sys.exit(3)"])
+    proc = run_cli("generate", "--input", tmp_path / "in.parquet", "--out", tmp_path / "bad.parquet", *FAST,
+                   *args[:4], "--sglang-json", json.dumps(bad), "--server-log-dir", tmp_path / "badlogs",
+                   check=False)
+    assert proc.returncode == 2 and "exited with code 3" in proc.stderr and "boom: no GPU" in proc.stderr
+
+
+def test_several_shards_share_one_engine(tmp_path, tiny_target):
+    shards = [write_shard(tmp_path / f"in{i}.parquet", 10 + i, seed=20 + i) for i in range(3)]
+    outs = [tmp_path / "out" / f"src-{i:05d}.parquet" for i in range(3)]
+    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3") as server:
+        run_cli("generate", "--input", *[tmp_path / f"in{i}.parquet" for i in range(3)], "--out", *outs, *FAST,
+                "--backend", "servers", "--servers", server.url)
+        for rows, out in zip(shards, outs):
+            assert_answers_belong(assert_one_row_per_sample(out, rows))
+            assert read_summary(out)["samples"] == len(rows)
+        # other sampling settings: the old journal is set aside, never mixed in
+        run_cli("generate", "--input", tmp_path / "in0.parquet", "--out", outs[0], *FAST, "--backend", "servers",
+                "--servers", server.url, "--max-new-tokens", "7")
+        assert read_summary(outs[0])["resumed_from_journal"] == 0
+        assert list((outs[0].parent / "journal").glob("src-00000.jsonl.stale-*"))
+        assert all(len(r["messages"][-1]["content"].split()) == 7 for r in read_completions(outs[0]))
