@@ -18,6 +18,8 @@ include: "rules/tokenize.smk"
 include: "rules/audit.smk"
 include: "rules/generate.smk"
 include: "rules/extract.smk"
+include: "rules/train.smk"
+include: "rules/evaluate.smk"
 
 
 rule all:

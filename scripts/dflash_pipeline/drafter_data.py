@@ -334,7 +334,8 @@ def target_features(target, input_ids: torch.Tensor, lengths: torch.Tensor, laye
 
 
 def write_greedy_token_shard(model_dir: str, out: str, num_samples: int, prompt_len: int = 24,
-                             new_tokens: int = 48, seed: int = 0, prefix: str = "greedy") -> None:
+                             new_tokens: int = 48, seed: int = 0, prefix: str = "greedy",
+                             suffix_len: int = 4) -> None:
     """A token shard whose responses are the target's own greedy continuations of random prompts.
 
     For tests and benchmarks: the same kind of data the generate stage produces (the target's own output),
@@ -350,6 +351,10 @@ def write_greedy_token_shard(model_dir: str, out: str, num_samples: int, prompt_
     vocab = int(target.config.vocab_size)
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, min(vocab, 1000), (num_samples, prompt_len), generator=g)
+    # a fixed prompt ending shared by all samples, like a chat template's assistant header
+    suffix = torch.randint(0, min(vocab, 1000), (suffix_len,), generator=torch.Generator().manual_seed(12345))
+    if suffix_len:
+        prompts[:, -suffix_len:] = suffix
     ids = prompts
     past = None
     step_in = prompts

@@ -1,0 +1,57 @@
+# Acceptance length (tau) of the exported drafter against the target on held-out prompts, an untrained
+# drafter beside it, and losslessness against plain greedy decoding. The report is always written; the
+# gate rule fails the run when the trained drafter is not clearly better (wrong layer ids, shifted labels).
+
+EVAL = config["evaluate"]
+
+
+rule evaluate:
+    input:
+        drafter=os.path.join(R, "drafter"),
+        tokens=lambda wc: expand(os.path.join(R, "tokens", training_dataset(), "{shard}.parquet"), shard=shard_ids()),
+        model=target_model_files(),
+    output:
+        report=os.path.join(R, "evaluate/report.json"),
+        plot=report(os.path.join(R, "evaluate/acceptance.png"), category="Evaluation"),
+    params:
+        model=lambda wc, input: target_model_dir(input.model),
+        holdout=EVAL["holdout_fraction"],
+        prompts=EVAL["num_prompts"],
+        max_new=EVAL["max_new_tokens"],
+        gain=EVAL["min_tau_gain"],
+        tie=EVAL["tie_tolerance"],
+        gpus=EVAL["gpus"],
+    resources:
+        gpu=EVAL["gpus"],
+    log:
+        log("evaluate"),
+    benchmark:
+        bench("evaluate")
+    conda:
+        ENV_GPU
+    shell:
+        "{PKG} with-gpus --n {params.gpus} -- "
+        "{PKG} evaluate --drafter {input.drafter} --model {params.model} --tokens {input.tokens} "
+        "--holdout-fraction {params.holdout} --num-prompts {params.prompts} --max-new-tokens {params.max_new} "
+        "--min-tau-gain {params.gain} --tie-tolerance {params.tie} --out {output.report} --plot {output.plot} "
+        "> {log} 2>&1"
+
+
+rule evaluate_gate:
+    input:
+        os.path.join(R, "evaluate/report.json"),
+    output:
+        os.path.join(R, "evaluate/gate.ok"),
+    log:
+        log("evaluate_gate"),
+    shell:
+        "{PKG} evaluate-gate --report {input} --out {output} 2>&1 | tee {log}; exit ${{PIPESTATUS[0]}}"
+
+
+add_final_target(
+    lambda: [
+        os.path.join(R, "evaluate/report.json"),
+        os.path.join(R, "evaluate/gate.ok"),
+        os.path.join(R, "train/drafter"),
+    ]
+)

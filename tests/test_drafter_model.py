@@ -1,0 +1,171 @@
+"""The drafter model and its block-sparse training forward, on the tiny target (CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_pipeline.drafter_data import (
+    block_loss, collate, dense_block_mask, epoch_order, is_holdout, sample_anchors, target_features,
+)
+from dflash_pipeline.drafter_model import (
+    ContextCache, DFlashDrafter, DrafterConfig, decay_weights, load_target_head, read_target_config,
+    resolve_mask_token_id,
+)
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.target_layers import default_target_layer_ids
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    tc = read_target_config(tiny_target)
+    head = load_target_head(tiny_target)
+    ids = default_target_layer_ids(tc["num_hidden_layers"], 2)
+    mask_id = resolve_mask_token_id(tiny_target, None, head.vocab_rows)
+    cfg = DrafterConfig.from_target(tc, 2, ids, 8, mask_id, head.vocab_rows)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg).eval()
+    target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    return cfg, head, drafter, target
+
+
+def _batch(cfg, target, lengths=(40, 57), prompt=12, anchors=6, seed=0):
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    samples, anc = [], []
+    for n in lengths:
+        mask = np.zeros(n, np.uint8)
+        mask[prompt:] = 1
+        samples.append({"input_ids": rng.integers(0, 1000, n), "loss_mask": mask})
+        anc.append(sample_anchors(mask, anchors, g))
+    batch = collate(samples, anc)
+    feats = target_features(target, batch.input_ids, batch.lengths, cfg.target_layer_ids)
+    return batch, feats
+
+
+def _block_alone(cfg, head, drafter, batch, feats, b, j):
+    """Block j of sequence b, run on its own: context = features of positions < anchor, no mask."""
+    a, bs = int(batch.anchors[b, j]), cfg.block_size
+    noise = torch.full((1, bs), cfg.mask_token_id)
+    noise[0, 0] = batch.input_ids[b, a]
+    return drafter(head.embed(noise), feats[b:b + 1, :a], torch.arange(a)[None], torch.arange(a, a + bs)[None])
+
+
+def test_config_from_target_and_mask_token(parts, tiny_target):
+    cfg, head, drafter, _ = parts
+    tc = read_target_config(tiny_target)
+    assert cfg.hidden_size == tc["hidden_size"] and cfg.num_target_layers == tc["num_hidden_layers"]
+    assert cfg.target_layer_ids == default_target_layer_ids(tc["num_hidden_layers"], 2)
+    assert drafter.fc.weight.shape == (cfg.hidden_size, len(cfg.target_layer_ids) * cfg.hidden_size)
+    # the demo target's mask token is a spare embedding row past the tokenizer
+    assert resolve_mask_token_id(tiny_target, None, head.vocab_rows) == head.vocab_rows - 1
+    head.check_mask_token(head.vocab_rows - 1)
+    with pytest.raises(PipelineError, match="not a row"):
+        head.check_mask_token(head.vocab_rows)
+    # embedding and LM head are frozen and not part of the drafter's weights
+    assert not head.embed.weight.requires_grad and not head.lm_head.weight.requires_grad
+    names = set(drafter.engine_state_dict())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+    assert all(n.startswith("layers.") or n in ("fc.weight", "hidden_norm.weight", "norm.weight") for n in names)
+
+
+def test_all_blocks_in_one_forward_equal_each_block_alone(parts):
+    """The block-sparse batched forward (many blocks per sequence, padding) == one block at a time."""
+    cfg, head, drafter, target = parts
+    batch, feats = _batch(cfg, target)
+    b, n = batch.anchors.shape
+    bs = cfg.block_size
+    noise = torch.full((b, n, bs), cfg.mask_token_id)
+    noise[:, :, 0] = batch.input_ids.gather(1, batch.anchors)
+    mask = dense_block_mask(batch.anchors, batch.block_valid, batch.input_ids.shape[1], bs)
+    with torch.no_grad():
+        together = drafter(head.embed(noise.view(b, -1)), feats,
+                           torch.arange(feats.shape[1]).expand(b, -1),
+                           (batch.anchors[:, :, None] + torch.arange(bs)).view(b, -1), mask)
+        for bi in range(b):
+            for j in range(n):
+                if batch.block_valid[bi, j]:
+                    alone = _block_alone(cfg, head, drafter, batch, feats, bi, j)
+                    torch.testing.assert_close(together[bi, j * bs:(j + 1) * bs], alone[0], atol=2e-5, rtol=1e-4)
+
+
+def test_block_sees_context_before_anchor_only(parts):
+    cfg, head, drafter, target = parts
+    batch, feats = _batch(cfg, target, lengths=(50,), anchors=3)
+    a = int(batch.anchors[0, 1])
+    with torch.no_grad():
+        base = _block_alone(cfg, head, drafter, batch, feats, 0, 1)
+        changed_after = feats.clone()
+        changed_after[:, a:] += 5.0
+        same = _block_alone(cfg, head, drafter, batch, changed_after, 0, 1)
+        changed_before = feats.clone()
+        changed_before[:, a - 1] += 5.0
+        other = _block_alone(cfg, head, drafter, batch, changed_before, 0, 1)
+    torch.testing.assert_close(base, same)
+    assert (base - other).abs().max() > 1e-3  # KV injection: the context reaches every block token
+    mask = dense_block_mask(batch.anchors, batch.block_valid, 50, cfg.block_size)[0, 0]
+    q = cfg.block_size * 1 + 3  # a query of block 1
+    assert mask[q, :a].all() and not mask[q, a:50].any()
+    own = torch.zeros(mask.shape[1] - 50, dtype=torch.bool)
+    own[cfg.block_size:2 * cfg.block_size] = True
+    assert torch.equal(mask[q, 50:], own)
+
+
+def test_context_cache_matches_full_context(parts):
+    cfg, head, drafter, target = parts
+    batch, feats = _batch(cfg, target, lengths=(50,), anchors=3)
+    a = int(batch.anchors[0, 2])
+    with torch.no_grad():
+        full = _block_alone(cfg, head, drafter, batch, feats, 0, 2)
+        noise = torch.full((1, cfg.block_size), cfg.mask_token_id)
+        noise[0, 0] = batch.input_ids[0, a]
+        cache = ContextCache(len(drafter.layers))
+        pos = torch.arange(a, a + cfg.block_size)[None]
+        drafter(head.embed(noise), feats[:, :a - 4], torch.arange(a - 4)[None], pos, cache=cache)
+        incremental = drafter(head.embed(noise), feats[:, a - 4:a], torch.arange(a - 4, a)[None], pos, cache=cache)
+    torch.testing.assert_close(full, incremental, atol=2e-5, rtol=1e-4)
+
+
+def test_loss_same_position_labels_and_decay(parts):
+    cfg, head, drafter, target = parts
+    batch, feats = _batch(cfg, target, lengths=(40, 30), prompt=10, anchors=50)
+    out = block_loss(drafter, head, batch, feats, gamma=7.0)
+    assert out.count[0] == 0  # the anchor position is never scored
+    # every scored label lies inside its sequence and is supervised: count per position from the anchors
+    expect = torch.zeros(cfg.block_size)
+    for b in range(2):
+        n = int(batch.lengths[b])
+        for a in batch.anchors[b][batch.block_valid[b]].tolist():
+            for k in range(1, cfg.block_size):
+                if a + k < n and batch.loss_mask[b, a + k] > 0:
+                    expect[k] += 1
+    torch.testing.assert_close(out.count, expect)
+    w = decay_weights(8, 7.0)
+    assert w[0] == 0 and w[1] == 1 and abs(float(w[2]) - float(np.exp(-1 / 7))) < 1e-6
+    # anchors: supervised positions with a next token, at most num_anchors, sorted
+    mask = np.array([0, 0, 1, 1, 1, 0, 1, 1], np.uint8)
+    a = sample_anchors(mask, 10, torch.Generator().manual_seed(0)).tolist()
+    assert a == [2, 3, 4, 6]
+    assert len(sample_anchors(mask, 2, torch.Generator().manual_seed(0))) == 2
+    out.loss.backward()
+    assert drafter.fc.weight.grad is not None and head.embed.weight.grad is None
+    drafter.zero_grad()
+
+
+def test_holdout_split_and_epoch_order_are_deterministic():
+    ids = [f"s{i}" for i in range(2000)]
+    held = [i for i in ids if is_holdout(i, 0.1)]
+    assert 120 < len(held) < 280 and held == [i for i in ids if is_holdout(i, 0.1)]
+
+    class Src:
+        def __len__(self):
+            return 50
+
+        def shard(self, i):
+            return i // 10
+
+    a, b, c = epoch_order(Src(), 0, 0), epoch_order(Src(), 0, 0), epoch_order(Src(), 0, 1)
+    assert a == b and a != c and sorted(a) == list(range(50))

@@ -1,0 +1,118 @@
+"""The train stage on CPU: exact resume after a hard kill, offline == online features, DDP over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import BIN, run_cli
+
+
+@pytest.fixture(scope="module")
+def token_shards(tiny_target, tmp_path_factory) -> list[Path]:
+    from dflash_pipeline.drafter_data import write_greedy_token_shard
+
+    out = tmp_path_factory.mktemp("tokens")
+    paths = []
+    for s in range(2):
+        p = out / f"greedy-{s:05d}.parquet"
+        write_greedy_token_shard(str(tiny_target), str(p), 24, prompt_len=16, new_tokens=24, seed=s, prefix=f"g{s}")
+        paths.append(p)
+    return paths
+
+
+def _train_args(tiny_target, inputs, out, ckpt, mode="online", **extra):
+    args = ["train", "--mode", mode, "--inputs", *map(str, inputs), "--model", str(tiny_target), "--out", str(out),
+            "--checkpoint-dir", str(ckpt), "--num-layers", "1", "--block-size", "8", "--num-anchors", "8",
+            "--batch-size", "4", "--max-steps", "7", "--lr", "3e-3", "--checkpoint-every", "3", "--log-every", "2",
+            "--holdout-fraction", "0.1", "--max-length", "64"]
+    for k, v in extra.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def test_killed_and_resumed_run_ends_with_identical_weights(tiny_target, token_shards, tmp_path):
+    ref = tmp_path / "ref"
+    run_cli(*_train_args(tiny_target, token_shards, ref / "out", ref / "ckpt"))
+    killed = tmp_path / "killed"
+    args = _train_args(tiny_target, token_shards, killed / "out", killed / "ckpt")
+    proc = run_cli(*args, "--debug-kill-at-step", "5", check=False)
+    assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL: nothing cleaned up
+    assert not (killed / "out").exists()
+    assert sorted(p.name for p in (killed / "ckpt").glob("step-*.pt")) == ["step-00000003.pt"]
+    proc = run_cli(*args)
+    assert "resumed from" in proc.stderr and "at step 3" in proc.stderr
+    a = load_file(str(ref / "out" / "drafter.safetensors"))
+    b = load_file(str(killed / "out" / "drafter.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # the metrics log has each step once, as an uninterrupted run's
+    steps = [json.loads(ln)["step"] for ln in (killed / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6, 7]
+    rec = json.loads((killed / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["acc_per_position"][0] is None and len(rec["loss_per_position"]) == 8
+    assert (killed / "out" / "per_position.png").stat().st_size > 1000
+    summary = json.loads((killed / "out" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 3 and summary["steps"] == 7
+    # a checkpoint from other settings is refused instead of silently mixing runs
+    proc = run_cli(*_train_args(tiny_target, token_shards, killed / "out2", killed / "ckpt", lr="1e-3"), check=False)
+    assert proc.returncode == 2 and "other settings" in proc.stderr
+
+
+def test_offline_training_from_hidden_state_shards_matches_online(tiny_target, token_shards, tmp_path):
+    """Features stored by the shard writer (fp32) give the same first-step loss as on-the-fly features."""
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForCausalLM
+
+    from dflash_pipeline.drafter_data import target_features
+    from dflash_pipeline.hidden_states_format import write_shard
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    from dflash_pipeline.target_layers import default_target_layer_ids
+
+    layer_ids = default_target_layer_ids(8, 1)  # what the train stage picks for a 1-layer drafter
+    hidden_paths = []
+    for p in token_shards:
+        t = pq.read_table(p).to_pylist()
+        samples = []
+        for row in t:
+            ids = torch.tensor([row["input_ids"]])
+            f = target_features(target, ids, torch.tensor([ids.shape[1]]), layer_ids)[0]
+            samples.append({"sample_id": row["sample_id"], "input_ids": row["input_ids"],
+                            "loss_mask": row["loss_mask"], "hidden": f.view(f.shape[0], 1, -1)})
+        out = tmp_path / (p.stem + ".dfhs")
+        write_shard(out, samples, {"target_layer_ids": layer_ids, "hidden_size": 128, "num_layers": 8,
+                                   "model_path": str(tiny_target)}, codec="raw", dtype="float32")
+        hidden_paths.append(out)
+    common = dict(max_steps=2, log_every=1)
+    run_cli(*_train_args(tiny_target, token_shards, tmp_path / "on", tmp_path / "on-ck", **common))
+    run_cli(*_train_args(tiny_target, hidden_paths, tmp_path / "off", tmp_path / "off-ck", mode="offline", **common))
+    on = [json.loads(ln) for ln in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    off = [json.loads(ln) for ln in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
+    assert abs(on[0]["loss"] - off[0]["loss"]) < 1e-4 * abs(on[0]["loss"])
+    assert on[0]["count_per_position"] == off[0]["count_per_position"]
+    # shards extracted at other layers are refused (wrong ids load fine and then accept nothing)
+    proc = run_cli(*_train_args(tiny_target, hidden_paths, tmp_path / "bad", tmp_path / "bad-ck", mode="offline",
+                                target_layer_ids="2", **common), check=False)
+    assert proc.returncode == 2 and f"extracted at target layers {layer_ids}" in proc.stderr
+
+
+def test_ddp_two_processes_gloo(tiny_target, token_shards, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+           "--no-python", str(BIN / "dflash-pipeline"),
+           *_train_args(tiny_target, token_shards, tmp_path / "out", tmp_path / "ck", batch_size=2, max_steps=3)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world 2" in proc.stderr and "global batch 4" in proc.stderr
+    assert (tmp_path / "out" / "drafter.safetensors").exists()
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 3]  # logged once (rank 0), with counts summed over both ranks
