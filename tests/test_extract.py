@@ -133,16 +133,26 @@ def test_resume_after_kill(tiny_target, tmp_path):
         torch.testing.assert_close(a["hidden"].float(), b["hidden"].float(), rtol=1e-2, atol=1e-2)
 
 
-def test_hybrid_gdn_model_capture(tmp_path):
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+def _hybrid(kind):
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+                  linear_key_head_dim=16, linear_value_head_dim=16, full_attention_interval=2)
+    if kind == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    cfg = Qwen3NextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
-                          linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                          shared_expert_intermediate_size=32, full_attention_interval=2)
+        cfg = Qwen3NextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32, **common)
+        return Qwen3NextForCausalLM(cfg)
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_hybrid_gdn_model_capture(tmp_path, kind):
     torch.manual_seed(0)
-    model = Qwen3NextForCausalLM(cfg).eval()
+    model = _hybrid(kind).eval()
+    assert "linear_attention" in model.config.layer_types and "full_attention" in model.config.layer_types
     model.save_pretrained(tmp_path / "hybrid")
     model = load_target(str(tmp_path / "hybrid"), "cpu")
     x = torch.randint(0, 300, (2, 24))
@@ -153,3 +163,5 @@ def test_hybrid_gdn_model_capture(tmp_path):
     cap.remove()
     for k, i in enumerate([0, 1, 2]):
         torch.testing.assert_close(got[:, :, k], ref[i + 1], rtol=0, atol=0)
+    with pytest.raises(PipelineError, match="out of range"):
+        LayerCapture(model, [4])

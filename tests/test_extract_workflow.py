@@ -1,0 +1,58 @@
+"""The real Snakefile: the plan is printed, then one shard's hidden states are extracted through the rule."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import BIN, REPO
+from dflash_pipeline.hidden_states_format import HiddenStateShardReader
+
+pytestmark = pytest.mark.slow
+
+# no regeneration (fast), and the demo's placeholder answers let through the gate
+EXTRA = """generate:
+  enabled: false
+audit:
+  max_trivial_fraction: 1.0
+  max_placeholder_fraction: 1.0
+"""
+
+
+def _snakemake(workdir, *targets):
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1")
+    cmd = [str(BIN / "snakemake"), *targets, "--profile", "profiles/local", "--configfile", "tiny.yaml", "extra.yaml"]
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return proc
+
+
+def test_plan_then_extract_one_shard(tiny_target, tmp_path):
+    wd = tmp_path / "wf"
+    wd.mkdir()
+    for name in ("Snakefile", "rules", "config", "envs", "profiles"):
+        src = REPO / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, wd / name)
+    shutil.copy2(REPO / "tests" / "configs" / "tiny.yaml", wd / "tiny.yaml")
+    (wd / "extra.yaml").write_text(EXTRA)
+    shutil.copytree(tiny_target, wd / "resources" / "demo-target")
+
+    proc = _snakemake(wd, "results/plan.txt")
+    assert "PLAN (before any GPU work)" in proc.stdout + proc.stderr  # shown on the terminal
+    plan = json.loads((wd / "results" / "plan.json").read_text())
+    shard = json.loads((wd / "results" / "ingest" / "manifest.json").read_text())["shards"][0]["shard"]
+
+    _snakemake(wd, f"results/hidden/{shard}.dfhs")
+    r = HiddenStateShardReader(wd / "results" / "hidden" / f"{shard}.dfhs")
+    assert r.metadata["target_layer_ids"] == plan["target_layer_ids"]
+    assert r.metadata["hidden_size"] == 128 and len(r) > 0
+    first = r.read(0)
+    assert first["hidden"].shape == (len(first["input_ids"]), len(plan["target_layer_ids"]), 128)
+    assert first["loss_mask"].sum() > 0
+    stats = json.loads((wd / "results" / "hidden" / f"{shard}.stats.json").read_text())
+    assert stats["samples"] == len(r) and stats["compression_vs_bf16"] < 0.8
+    assert not list((wd / "results" / "hidden").glob("*.partial"))
