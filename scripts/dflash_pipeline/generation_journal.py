@@ -22,9 +22,9 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dflash_pipeline import storage
@@ -133,6 +133,8 @@ class Journal:
         self._buffer: list[bytes] = []
         self._last_flush = time.monotonic()
         self._lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"journal-{shard}")
+        self._pending = None
         self.mirror = S3Mirror(mirror, mirror_interval_s) if mirror else None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.mirror and not self.path.exists():
@@ -214,6 +216,8 @@ class Journal:
                 self.mirror.add(line)
 
     # -- appending -----------------------------------------------------------------------------------
+    # Writes and fsyncs run on one background thread (in order), so the event loop never waits for the
+    # disk; `flush()` and `close()` wait until everything handed over is durable.
     def add(self, record: dict) -> None:
         line = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
         with self._lock:
@@ -222,26 +226,37 @@ class Journal:
             due = len(self._buffer) >= self.flush_every or (
                 time.monotonic() - self._last_flush >= self.flush_interval_s)
         if due:
-            self.flush()
+            self._hand_over()
 
-    def flush(self) -> None:
+    def _hand_over(self):
         with self._lock:
             self._last_flush = time.monotonic()
             if not self._buffer:
-                return
+                return self._pending
             data, self._buffer = b"".join(self._buffer), []
-            self._fh.write(data)
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
+            self._pending = self._writer.submit(self._write, data)
+            return self._pending
+
+    def _write(self, data: bytes) -> None:
+        self._fh.write(data)
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
         if self.mirror:
             self.mirror.add(data)
 
+    def flush(self) -> None:
+        """Everything added so far is on disk when this returns."""
+        pending = self._hand_over()
+        if pending is not None:
+            pending.result()
+
     def maybe_flush(self) -> None:
         if self._buffer and time.monotonic() - self._last_flush >= self.flush_interval_s:
-            self.flush()
+            self._hand_over()
 
     def close(self) -> None:
         self.flush()
+        self._writer.shutdown(wait=True)
         self._fh.close()
         if self.mirror:
             self.mirror.close()
