@@ -100,18 +100,30 @@ def split_planes(bits: np.ndarray) -> np.ndarray:
     Plane itemsize-1 then holds the exponent bits only (for bf16 and fp32 alike).
     """
     bits = np.ascontiguousarray(bits).reshape(-1)
-    nbits = bits.dtype.itemsize * 8
-    rot = (bits << bits.dtype.type(1)) | (bits >> bits.dtype.type(nbits - 1))
-    return np.ascontiguousarray(rot.view(np.uint8).reshape(-1, bits.dtype.itemsize).T)
+    t = bits.dtype.type
+    item = bits.dtype.itemsize
+    rot = bits << t(1)
+    rot |= bits >> t(item * 8 - 1)
+    planes = np.empty((item, bits.size), dtype=np.uint8)
+    for k in range(item):  # whole-array shifts and truncating copies: no strided transpose
+        planes[k] = rot
+        if k < item - 1:
+            rot >>= t(8)
+    return planes
 
 
-def merge_planes(planes: np.ndarray, uint_dtype) -> np.ndarray:
-    """Inverse of `split_planes`: byte planes [itemsize, N] -> uint values [N]."""
+def merge_planes(planes, uint_dtype) -> np.ndarray:
+    """Inverse of `split_planes`: byte planes (a sequence of itemsize uint8 arrays) -> uint values [N]."""
+    t = np.dtype(uint_dtype).type
     item = np.dtype(uint_dtype).itemsize
-    rot = np.ascontiguousarray(planes.reshape(item, -1).T).view(uint_dtype).reshape(-1)
-    nbits = item * 8
-    t = rot.dtype.type
-    return (rot >> t(1)) | (rot << t(nbits - 1))
+    rot = np.asarray(planes[item - 1]).astype(uint_dtype)
+    for k in range(item - 2, -1, -1):
+        rot <<= t(8)
+        rot |= np.asarray(planes[k])
+    out = rot >> t(1)
+    rot <<= t(item * 8 - 1)
+    out |= rot
+    return out
 
 
 def _hidden_bits(hidden, dtype: str) -> np.ndarray:
@@ -601,9 +613,7 @@ class HiddenStateShardReader:
             hidden = torch.frombuffer(buf, dtype=tdt).view(t, L, H)
         elif codec == "zstd":
             item = _itemsize(dtype)
-            planes = np.empty((item, t * L * H), dtype=np.uint8)
-            for k in range(item):
-                planes[k] = np.frombuffer(self._decompress(secs[k], raws[k]), dtype=np.uint8)
+            planes = [np.frombuffer(self._decompress(secs[k], raws[k]), dtype=np.uint8) for k in range(item)]
             bits = merge_planes(planes, _uint_dtype(dtype))
             tdt, idt = (torch.bfloat16, torch.int16) if dtype == "bfloat16" else (torch.float32, torch.int32)
             hidden = torch.from_numpy(bits.view(np.int16 if item == 2 else np.int32)).view(tdt).view(t, L, H)
@@ -639,7 +649,7 @@ class HiddenStateShardReader:
 
 
 def iter_shard_samples(paths: Sequence[str], seed: int | None = None, prefetch: int = 4,
-                       verify: bool = True, workers: int = 2) -> Iterator[dict]:
+                       verify: bool = True, workers: int = 4) -> Iterator[dict]:
     """Stream samples of several shards (local or s3://), decoded by background threads `prefetch` ahead.
 
     seed=None: shards in the given order, samples in file order. With a seed, the shard order and the
