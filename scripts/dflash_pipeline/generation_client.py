@@ -298,7 +298,7 @@ class HTTPEngine:
         self.revive_after_s = revive_after_s
         self.revive_max_s = revive_max_s
         self.all_down_timeout_s = all_down_timeout_s
-        self._cond: asyncio.Condition | None = None
+        self._slot_freed: asyncio.Event | None = None
         self._session = None
         self._prober: asyncio.Task | None = None
         self._all_down_since: float | None = None
@@ -322,7 +322,7 @@ class HTTPEngine:
     async def start(self, wait_s: float = 60.0) -> None:
         import aiohttp
 
-        self._cond = asyncio.Condition()
+        self._slot_freed = asyncio.Event()
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s),
@@ -393,35 +393,40 @@ class HTTPEngine:
                         e.alive = True
                         e.consecutive_failures = 0
                         LOG.warning("server %s is back", e.url)
-                        async with self._cond:
-                            self._cond.notify_all()
+                        self._slot_freed.set()
                     else:
                         self._take_out(e, "still down")
 
-    async def _acquire(self) -> Endpoint:
-        async with self._cond:
-            while True:
-                free = [e for e in self.endpoints if e.alive and e.in_flight < e.capacity]
-                if free:
-                    self._all_down_since = None
-                    e = min(free, key=lambda x: (x.load, x.in_flight))
-                    e.in_flight += 1
-                    return e
-                if not any(e.alive for e in self.endpoints):
-                    now = time.monotonic()
-                    self._all_down_since = self._all_down_since or now
-                    if now - self._all_down_since > self.all_down_timeout_s:
-                        raise FatalError(f"every server has been down for {self.all_down_timeout_s:.0f} s: "
-                                         + ", ".join(e.url for e in self.endpoints))
-                try:
-                    await asyncio.wait_for(self._cond.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    pass
+    def _pick(self) -> Endpoint | None:
+        best = None
+        for e in self.endpoints:
+            if e.alive and e.in_flight < e.capacity and (best is None or e.load < best.load):
+                best = e
+        return best
 
-    async def _release(self, e: Endpoint) -> None:
-        async with self._cond:
-            e.in_flight -= 1
-            self._cond.notify(1)
+    async def _acquire(self) -> Endpoint:
+        # single-threaded event loop: check-and-take needs no lock; only waiting does
+        while True:
+            e = self._pick()
+            if e is not None:
+                self._all_down_since = None
+                e.in_flight += 1
+                return e
+            if not any(x.alive for x in self.endpoints):
+                now = time.monotonic()
+                self._all_down_since = self._all_down_since or now
+                if now - self._all_down_since > self.all_down_timeout_s:
+                    raise FatalError(f"every server has been down for {self.all_down_timeout_s:.0f} s: "
+                                     + ", ".join(x.url for x in self.endpoints))
+            self._slot_freed.clear()
+            try:
+                await asyncio.wait_for(self._slot_freed.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    def _release(self, e: Endpoint) -> None:
+        e.in_flight -= 1
+        self._slot_freed.set()
 
     async def complete(self, messages: list[dict], params: SamplingParams, max_new_tokens: int) -> Completion:
         import aiohttp
@@ -458,7 +463,7 @@ class HTTPEngine:
             result.server = e.url
             return result
         finally:
-            await self._release(e)
+            self._release(e)
 
     async def _post(self, e: Endpoint, path: str, payload: dict) -> dict:
         async with self._session.post(e.url + path, json=payload) as resp:
