@@ -337,3 +337,77 @@ def test_several_shards_share_one_engine(tmp_path, tiny_target):
         assert read_summary(outs[0])["resumed_from_journal"] == 0
         assert list((outs[0].parent / "journal").glob("src-00000.jsonl.stale-*"))
         assert all(len(r["messages"][-1]["content"].split()) == 7 for r in read_completions(outs[0]))
+
+
+def test_outputs_on_s3_mirror_the_journal_and_a_fresh_node_resumes(tmp_path, tiny_target):
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    moto.start()
+    env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    try:
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id="test", aws_secret_access_key="test")
+        s3.create_bucket(Bucket="gen-out")
+        rows = write_shard(tmp_path / "in.parquet", 30, seed=11)
+        out = "s3://gen-out/results/completions/src-00000.parquet"
+        with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3") as server:
+            common = ["--backend", "servers", "--servers", server.url, "--mirror-interval", "0.2"]
+            run_cli("generate", "--input", tmp_path / "in.parquet", "--out", out, *FAST, *common,
+                    "--journal-dir", tmp_path / "node1", env=env)
+            keys = [o["Key"] for o in s3.list_objects_v2(Bucket="gen-out")["Contents"]]
+            assert "results/completions/src-00000.parquet" in keys
+            assert "results/completions/src-00000.summary.json" in keys
+            assert any(k.startswith("results/completions/journal/src-00000/part-") for k in keys)
+            # a fresh node (no local journal) restores it from the mirror and generates nothing again
+            s3.delete_object(Bucket="gen-out", Key="results/completions/src-00000.parquet")
+            done = run_cli("generate", "--input", tmp_path / "in.parquet", "--out", out, *FAST, *common,
+                           "--journal-dir", tmp_path / "node2", env=env)
+            assert "restoring 30 journal records" in done.stderr
+        body = s3.get_object(Bucket="gen-out", Key="results/completions/src-00000.summary.json")["Body"].read()
+        summary = json.loads(body)
+        assert summary["resumed_from_journal"] == 30 and summary["this_run"]["requests"] == 0
+        table = pq.read_table(pa_buffer(s3.get_object(Bucket="gen-out", Key="results/completions/src-00000.parquet")))
+        assert table.column("sample_id").to_pylist() == [r["sample_id"] for r in rows]
+    finally:
+        moto.stop()
+
+
+def pa_buffer(obj):
+    import pyarrow as pa
+
+    return pa.BufferReader(obj["Body"].read())
+
+
+def test_workflow_plans_one_generation_job_per_group_of_shards(tmp_path, tiny_target):
+    """The real Snakefile with generate.shards_per_job = 2 plans one generation job per two shards (the job
+    that runs several shards through one engine is tested above; the full run is the demo's)."""
+    import re
+    import shutil
+
+    work = tmp_path / "wf"
+    work.mkdir()
+    for name in ("Snakefile", "rules", "config", "envs", "profiles"):
+        src = REPO / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, work / name)
+    shutil.copy2(REPO / "tests" / "configs" / "tiny.yaml", work / "tiny.yaml")
+    shutil.copytree(tiny_target, work / "resources" / "demo-target")
+    (work / "group.yaml").write_text("ingest:\n  shard_size: 12\ngenerate:\n  shards_per_job: 2\n")
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    opts = ["--profile", "profiles/local", "--configfile", "tiny.yaml", "group.yaml"]  # targets go first
+    subprocess.run([str(BIN / "snakemake"), "results/ingest/manifest.json", *opts], cwd=work, env=env, check=True,
+                   capture_output=True)
+    shards = [s["shard"] for s in json.loads((work / "results/ingest/manifest.json").read_text())["shards"]]
+    groups = {s.rsplit("-", 1)[0] + "-g" + f"{int(s.rsplit('-', 1)[1]) // 2:05d}" for s in shards}
+    assert len(groups) < len(shards)
+    proc = subprocess.run([str(BIN / "snakemake"), "-n", *[f"results/completions/{s}.parquet" for s in shards],
+                           *opts], cwd=work, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout + proc.stderr
+    assert re.search(rf"generate_group\s+{len(groups)}\n", out) and re.search(rf"completions_from_group\s+{len(shards)}\n", out)
+    for g in groups:
+        assert f"results/completions/groups/{g}" in out
