@@ -16,7 +16,7 @@ Answers come from one of two engines:
 Fault injection (a fraction `--fault-rate` of the POST requests, kinds drawn from `--faults`):
 `500`/`503` (HTTP errors), `drop` (connection closed without a response), `truncate` (a response body cut
 short), `delay` (an answer after `--fault-delay` seconds, for client timeouts), `empty` (a 200 answer with
-empty content; chat endpoint). `--delay` adds latency to every
+empty content; chat endpoint), `400` (a request rejected for another reason than its length). `--delay` adds latency to every
 request, `--die-after N` kills the process (`os._exit`) on the N-th POST, like a crashed server.
 
 It accepts `sglang.launch_server`'s flags (unknown ones are ignored), so the pipeline's SGLang launcher can
@@ -105,6 +105,9 @@ class Server:
         if kind == "drop":
             request.transport.close()
             raise asyncio.CancelledError  # nothing is sent
+        if kind == "400":
+            return web.json_response({"object": "error", "type": "BadRequestError", "code": 400,
+                                      "message": "The model `nonexistent` does not exist."}, status=400)
         if kind == "empty":
             return web.json_response({"id": "empty", "object": "chat.completion", "choices": [
                 {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "",

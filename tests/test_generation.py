@@ -165,6 +165,18 @@ def test_permanent_failures_recorded_once_and_empty_answers_counted(tmp_path, ti
     assert summary["failed"] == len(rows)
 
 
+def test_a_server_that_rejects_everything_stops_the_run(tmp_path, tiny_target):
+    rows = write_shard(tmp_path / "in.parquet", 40, seed=12)
+    out = tmp_path / "s-00000.parquet"
+    with SGLangTestServer(tiny_target, "--engine", "instant", "--fault-rate", "1.0", "--faults", "400") as server:
+        proc = gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url, check=False)
+    assert proc.returncode == 2 and "rejects most requests" in proc.stderr and "does not exist" in proc.stderr
+    assert not out.exists()  # no shard full of failures; the journal's rejections are retried by a rerun
+    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3") as server:
+        gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url)
+    assert_answers_belong(assert_one_row_per_sample(out, rows))
+
+
 def test_twenty_percent_faults_all_complete(tmp_path, tiny_target):
     rows = write_shard(tmp_path / "in.parquet", 60, seed=6)
     out = tmp_path / "s-00000.parquet"

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from dflash_pipeline import storage
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.generation_client import (
-    COMPLETION_SCHEMA, Counters, HTTPEngine, Policy, SamplingParams, generate_sample,
+    COMPLETION_SCHEMA, Counters, FatalError, HTTPEngine, Policy, SamplingParams, generate_sample,
 )
 from dflash_pipeline.generation_journal import Journal
 
@@ -271,6 +271,11 @@ async def run_shards(jobs: list[ShardJob], engine, args, progress_interval: floa
                 return
             rec = await generate_sample(engine, row, params, policy, job.counters, model, sampling_json)
             job.journal.add(rec)
+            rejected = sum(j.counters.rejected for j in jobs)
+            finished = sum(j.counters.ok + j.counters.failed for j in jobs)
+            if rejected >= 16 and rejected * 2 > finished:
+                raise FatalError(f"the server rejects most requests ({rejected} of {finished}), e.g. "
+                                 f"{rec['failure_reason']!r}: check the configuration (a rerun retries them)")
             job.remaining -= 1
             if job.remaining == 0:
                 summaries.append(await asyncio.to_thread(job.finalize, meta))

@@ -52,6 +52,11 @@ class PermanentError(Exception):
     """Retrying cannot help (a prompt longer than the context, a rejected request)."""
 
 
+class RejectedError(PermanentError):
+    """The server refused the request for another reason than its length (HTTP 4xx): recorded, not retried in
+    this run, but retried by a rerun (the cause is often the configuration, e.g. a wrong model name)."""
+
+
 class FatalError(PipelineError):
     """The run cannot continue (e.g. every server has been down for too long)."""
 
@@ -105,6 +110,7 @@ class Counters:
     length: int = 0
     empty: int = 0
     retries: int = 0
+    rejected: int = 0
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -222,6 +228,9 @@ async def generate_sample(engine, sample: dict, params: SamplingParams, policy: 
             raise PermanentError("no user turn to answer")
     except PermanentError as exc:
         status, reason = "failed", f"{exc}" if generated == 0 else f"turn {generated + 1}: {exc}"
+        if isinstance(exc, RejectedError):
+            permanent = False
+            counters.rejected += 1
     except TransientError as exc:
         status, reason, permanent = "failed", f"{exc}" if generated == 0 else f"turn {generated + 1}: {exc}", False
     if status == "failed":
@@ -374,6 +383,14 @@ class HTTPEngine:
                             return str(info["model_path"])
             except Exception:  # model identity is best effort; the config can name it
                 pass
+            try:  # OpenAI-compatible servers (vLLM, ...): the served model's id
+                async with self._session.get(e.url + "/v1/models") as resp:
+                    if resp.status == 200:
+                        data = (await resp.json(content_type=None)).get("data") or []
+                        if data and data[0].get("id"):
+                            return str(data[0]["id"])
+            except Exception:
+                pass
         return "unknown"
 
     def _take_out(self, e: Endpoint, why: str) -> None:
@@ -471,7 +488,8 @@ class HTTPEngine:
             if resp.status >= 500 or resp.status in (408, 429):
                 raise TransientError(f"{e.url}: HTTP {resp.status}: {body[:200].decode('utf-8', 'replace')}")
             if resp.status >= 400:
-                raise PermanentError(_error_reason(resp.status, body))
+                reason = _error_reason(resp.status, body)
+                raise (PermanentError if reason.startswith("prompt too long") else RejectedError)(reason)
             return json.loads(body)
 
     async def _post_chat(self, e, messages, params, max_new_tokens) -> Completion:
