@@ -61,6 +61,9 @@ def _generate_flags():
             raise WorkflowError("generate.backend is 'servers' but generate.servers lists no endpoint")
         flags.append("--servers " + " ".join(shlex.quote(u) for u in g["servers"]))
     else:
+        if g["gpus"] < 1:
+            raise WorkflowError("generate.backend is 'sglang' but generate.gpus is 0: give each job its GPUs "
+                                "(tp_size x dp_size x instances)")
         flags.append("--sglang-json " + shlex.quote(json.dumps(GEN_SGLANG, sort_keys=True)))
     mirror = GEN.get("journal_mirror") or ""
     prefix = getattr(workflow.storage_settings, "default_storage_prefix", None) or ""
