@@ -255,3 +255,19 @@ def test_default_target_layer_ids_match_design():
         resolve_target_layer_ids({"target_layer_ids": [1, 8]}, 8)
     with pytest.raises(PipelineError, match="increasing"):
         resolve_target_layer_ids({"target_layer_ids": [3, 1]}, 8)
+
+
+def test_many_readers_keep_few_files_open(tmp_path):
+    samples = _samples(n=2)
+    paths = []
+    for k in range(hsf.MAX_OPEN_FILES + 40):
+        p = tmp_path / f"s{k}.dfhs"
+        _write(p, samples, codec="zstd" if k % 2 else "raw")
+        paths.append(p)
+    before = len(os.listdir("/proc/self/fd"))
+    readers = [HiddenStateShardReader(p) for p in paths]
+    views = [r.read(1)["hidden"] for r in readers]  # raw ones are views of maps, zstd ones copies
+    assert len(os.listdir("/proc/self/fd")) - before <= 2 * hsf.MAX_OPEN_FILES + 4
+    assert hsf._OPEN.open_count() <= hsf.MAX_OPEN_FILES
+    for v in views:  # every tensor is still valid after its file left the cache
+        assert torch.equal(v.view(torch.int16), samples[1]["hidden"].view(torch.int16))

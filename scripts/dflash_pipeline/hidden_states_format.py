@@ -43,6 +43,7 @@ and renames the partial file into place, so the final name only ever holds a com
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -460,37 +461,117 @@ def write_shard(path, samples: Iterable[dict], metadata: dict, codec: str = "zst
 # ---------------------------------------------------------------------------------------------- reader
 
 
-class _LocalSource:
-    def __init__(self, path: str):
-        self.path = path
-        self.size = os.path.getsize(path)
-        self._fh = open(path, "rb")
+class _OpenFiles:
+    """A process-wide LRU of open shard files, so that a training job holding readers on thousands of
+    shards keeps at most `MAX_OPEN_FILES` descriptors (and maps) open. Reads use pread: no seek, no lock."""
+
+    def __init__(self, limit: int):
+        import collections
+
+        self.limit = limit
+        self._fds: collections.OrderedDict = collections.OrderedDict()
+        self._maps: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._mmap = None
 
-    def read(self, offset: int, length: int) -> bytes:
+    @contextlib.contextmanager
+    def reading(self, path: str):
+        """An open descriptor of `path`, not closed by eviction while in use."""
         with self._lock:
-            self._fh.seek(offset)
-            data = self._fh.read(length)
-        return data
+            entry = self._fds.pop(path, None)
+            if entry is None:
+                entry = [os.open(path, os.O_RDONLY), 0]
+            entry[1] += 1
+            self._fds[path] = entry
+            self._evict()
+        try:
+            yield entry[0]
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if path not in self._fds and entry[1] == 0:  # evicted while in use: close it now
+                    os.close(entry[0])
+                self._evict()
 
-    def view(self, offset: int, length: int) -> memoryview:
+    def _evict(self) -> None:
+        excess = len(self._fds) - self.limit
+        for p in list(self._fds):
+            if excess <= 0:
+                break
+            fd, users = self._fds[p]
+            del self._fds[p]
+            excess -= 1
+            if users == 0:
+                os.close(fd)
+
+    def map(self, path: str):
         import mmap
 
-        if self._mmap is None:
-            # copy-on-write map: tensors built on it are writable views that never touch the file
-            self._mmap = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_COPY)
-        return memoryview(self._mmap)[offset: offset + length]
+        with self._lock:
+            m = self._maps.pop(path, None)
+            if m is None:
+                with open(path, "rb") as fh:
+                    # copy-on-write map: tensors built on it are writable views that never touch the file
+                    m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[path] = m
+            while len(self._maps) > self.limit:
+                self._maps.popitem(last=False)  # unmapped once no tensor views it any more
+            return m
+
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._fds)
+
+
+MAX_OPEN_FILES = int(os.environ.get("DFLASH_HIDDEN_MAX_OPEN_FILES", "64"))
+_OPEN = _OpenFiles(MAX_OPEN_FILES)
+
+
+class _LocalSource:
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        self.size = os.path.getsize(self.path)
+
+    def read(self, offset: int, length: int) -> bytes:
+        with _OPEN.reading(self.path) as fd:
+            data = os.pread(fd, length, offset)
+            if len(data) >= length or not data:
+                return data
+            parts = [data]  # pread may return less than asked for (large reads): read on
+            got = len(data)
+            while got < length:
+                chunk = os.pread(fd, length - got, offset + got)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                got += len(chunk)
+            return b"".join(parts)
+
+    def view(self, offset: int, length: int) -> memoryview:
+        return memoryview(_OPEN.map(self.path))[offset: offset + length]
 
     def close(self):
-        self._fh.close()
+        pass
+
+
+_S3_CLIENTS: dict = {}
+_S3_LOCK = threading.Lock()
+
+
+def _shared_s3_client():
+    """One boto3 client per endpoint and process (clients are thread-safe; readers on thousands of
+    shards share it instead of building one each)."""
+    key = (os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("SNAKEMAKE_STORAGE_S3_ENDPOINT_URL"), os.getpid())
+    with _S3_LOCK:
+        if key not in _S3_CLIENTS:
+            _S3_CLIENTS[key] = storage.s3_client()
+        return _S3_CLIENTS[key]
 
 
 class _S3Source:
     def __init__(self, uri: str):
         self.uri = uri
         self.bucket, self.key = storage.split_s3(uri)
-        self.client = storage.s3_client()
+        self.client = _shared_s3_client()
         self.size = self.client.head_object(Bucket=self.bucket, Key=self.key)["ContentLength"]
 
     def read(self, offset: int, length: int) -> bytes:
@@ -517,8 +598,9 @@ class HiddenStateShardReader:
         self.path = str(path)
         self.verify = verify
         self._src = _S3Source(self.path) if storage.is_s3(self.path) else _LocalSource(self.path)
-        self._mmap = mmap and self._src.view is not None
         self._load_index()
+        # memory-map uncompressed local shards (a sample's tensor is a view); others are read with pread
+        self._mmap = mmap and self._src.view is not None and self.codec["codec"] == "raw"
 
     def _fail(self, why: str):
         raise ShardFormatError(f"{self.path}: {why}; the file is damaged: delete it and rerun the extract stage")
