@@ -271,3 +271,20 @@ def test_many_readers_keep_few_files_open(tmp_path):
     assert hsf._OPEN.open_count() <= hsf.MAX_OPEN_FILES
     for v in views:  # every tensor is still valid after its file left the cache
         assert torch.equal(v.view(torch.int16), samples[1]["hidden"].view(torch.int16))
+
+
+def test_hidden_verify_command_deletes_only_damaged_shards(tmp_path):
+    from conftest import run_cli
+
+    good, bad = tmp_path / "good.dfhs", tmp_path / "bad.dfhs"
+    _write(good, _samples(n=2))
+    _write(bad, _samples(n=2))
+    (tmp_path / "bad.stats.json").write_text("{}")
+    data = bytearray(bad.read_bytes())
+    data[200] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    proc = run_cli("hidden-verify", good, bad, "--delete-damaged", check=False)
+    assert proc.returncode == 1
+    assert "DAMAGED" in proc.stdout and "checksum mismatch" in proc.stdout and "1 ok, 1 damaged" in proc.stdout
+    assert good.exists() and not bad.exists() and not (tmp_path / "bad.stats.json").exists()
+    assert run_cli("hidden-verify", good).returncode == 0

@@ -25,6 +25,7 @@ STAGES = {
     "generate": ("dflash_pipeline.generate", "regenerate responses with the target (sglang / servers / hf)"),
     "extract": ("dflash_pipeline.extract", "extract target hidden states into a shard file"),
     "plan": ("dflash_pipeline.plan", "print samples, tokens, bytes and GPU hours before the GPU starts"),
+    "hidden-verify": ("dflash_pipeline.hidden_states_format", "check hidden-state shards (footer, index, every checksum)"),
     "train": ("dflash_pipeline.train", "train the DFlash drafter"),
     "export": ("dflash_pipeline.export", "export an engine-loadable drafter checkpoint"),
     "evaluate": ("dflash_pipeline.evaluate", "acceptance length of the drafter against the target"),

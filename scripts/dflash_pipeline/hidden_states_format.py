@@ -832,3 +832,40 @@ def shard_summary(path: str) -> dict:
             r.metadata["dtype"] if r.codec["codec"] != "fp8" else "bfloat16")
         return {"samples": len(r), "tokens": tokens, "stored_bytes": stored, "raw_bf16_bytes": raw,
                 "codec": r.codec, "metadata": r.metadata}
+
+
+# ---------------------------------------------------------------------------------------------- command
+
+
+def verify_shard(path: str) -> str | None:
+    """None if the shard is complete and every record's checksum matches, else the reason."""
+    try:
+        with HiddenStateShardReader(path, verify=True) as r:
+            r.verify_all()
+    except (ShardFormatError, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def add_arguments(p) -> None:
+    p.add_argument("paths", nargs="+", help="hidden-state shards (.dfhs), local or s3://")
+    p.add_argument("--delete-damaged", action="store_true",
+                   help="delete damaged local shards (and their .stats.json) so that `snakemake` redoes exactly those")
+
+
+def run(args) -> int:
+    damaged = 0
+    for path in args.paths:
+        why = verify_shard(path)
+        if why is None:
+            print(f"ok       {path}")
+            continue
+        damaged += 1
+        print(f"DAMAGED  {path}: {why}")
+        if args.delete_damaged and not storage.is_s3(path):
+            for p in (path, os.path.splitext(path)[0] + ".stats.json"):
+                if os.path.exists(p):
+                    os.remove(p)
+            print(f"deleted  {path}")
+    print(f"{len(args.paths) - damaged} ok, {damaged} damaged")
+    return 1 if damaged else 0
