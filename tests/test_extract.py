@@ -125,8 +125,9 @@ def test_resume_after_kill(tiny_target, tmp_path):
     r = HiddenStateShardReader(out)
     assert len(r) == 15 and len(set(r.sample_ids)) == 15
     r.verify_all()
-    fresh = tmp_path / "fresh.dfhs"
-    subprocess.run(cmd[:7] + [str(fresh)] + cmd[8:], check=True, capture_output=True)
+    fresh = tmp_path / "fresh.dfhs"  # an uninterrupted run, in process (one CLI start less)
+    extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(fresh), layer_ids=[1, 5], token_budget=100,
+                  flush_tokens=60, device="cpu", encode_threads=1)
     f = HiddenStateShardReader(fresh)
     for sid in f.sample_ids:
         a, b = r.read(r.index_of(sid)), f.read(f.index_of(sid))
