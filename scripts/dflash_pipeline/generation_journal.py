@@ -135,7 +135,13 @@ class Journal:
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"journal-{shard}")
         self._pending = None
-        self.mirror = S3Mirror(mirror, mirror_interval_s) if mirror else None
+        self.mirror = None
+        if mirror:
+            try:
+                self.mirror = S3Mirror(mirror, mirror_interval_s)
+            except Exception as exc:  # the local journal still gives exactly-once on this node
+                LOG.error("%s: journal mirror %s is not usable (%s: %s); continuing with the local journal only",
+                          shard, mirror, type(exc).__name__, str(exc)[:200])
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.mirror and not self.path.exists():
             self._restore_from_mirror()
