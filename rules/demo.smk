@@ -19,9 +19,13 @@ if config["demo"]["enabled"]:
     rule tiny_target:
         output:
             config=os.path.join(config["target"]["model_path"], "config.json"),
+        params:
+            pretrain_steps=config["demo"].get("target_pretrain_steps", 0),
         log:
             log("tiny_target"),
+        benchmark:
+            bench("tiny_target")
         conda:
             ENV_CPU
         shell:
-            "{PKG} tiny-model --out $(dirname {output.config}) > {log} 2>&1"
+            "{PKG} tiny-model --out $(dirname {output.config}) --pretrain-steps {params.pretrain_steps} > {log} 2>&1"
