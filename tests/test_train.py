@@ -13,6 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import BIN, run_cli
+from dflash_pipeline.cli import main as cli_main
+
+
+def run_in_process(*args) -> int:
+    """The CLI in this process (no interpreter start and torch import per run)."""
+    return cli_main([str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +44,16 @@ def _train_args(tiny_target, inputs, out, ckpt, mode="online", **extra):
     return args
 
 
-def test_killed_and_resumed_run_ends_with_identical_weights(tiny_target, token_shards, tmp_path):
+def test_killed_and_resumed_run_ends_with_identical_weights(tiny_target, token_shards, tmp_path, capsys):
     ref = tmp_path / "ref"
-    run_cli(*_train_args(tiny_target, token_shards, ref / "out", ref / "ckpt"))
+    assert run_in_process(*_train_args(tiny_target, token_shards, ref / "out", ref / "ckpt")) == 0
     killed = tmp_path / "killed"
     args = _train_args(tiny_target, token_shards, killed / "out", killed / "ckpt")
     proc = run_cli(*args, "--debug-kill-at-step", "5", check=False)
     assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL: nothing cleaned up
     assert not (killed / "out").exists()
     assert sorted(p.name for p in (killed / "ckpt").glob("step-*.pt")) == ["step-00000003.pt"]
-    proc = run_cli(*args)
-    assert "resumed from" in proc.stderr and "at step 3" in proc.stderr
+    assert run_in_process(*args) == 0
     a = load_file(str(ref / "out" / "drafter.safetensors"))
     b = load_file(str(killed / "out" / "drafter.safetensors"))
     assert a.keys() == b.keys()
@@ -63,11 +68,11 @@ def test_killed_and_resumed_run_ends_with_identical_weights(tiny_target, token_s
     summary = json.loads((killed / "out" / "summary.json").read_text())
     assert summary["resumed_from_step"] == 3 and summary["steps"] == 7
     # a checkpoint from other settings is refused instead of silently mixing runs
-    proc = run_cli(*_train_args(tiny_target, token_shards, killed / "out2", killed / "ckpt", lr="1e-3"), check=False)
-    assert proc.returncode == 2 and "other settings" in proc.stderr
+    rc = run_in_process(*_train_args(tiny_target, token_shards, killed / "out2", killed / "ckpt", lr="1e-3"))
+    assert rc == 2 and "other settings" in capsys.readouterr().err
 
 
-def test_offline_training_from_hidden_state_shards_matches_online(tiny_target, token_shards, tmp_path):
+def test_offline_training_from_hidden_state_shards_matches_online(tiny_target, token_shards, tmp_path, capsys):
     """Features stored by the shard writer (fp32) give the same first-step loss as on-the-fly features."""
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM
@@ -93,16 +98,17 @@ def test_offline_training_from_hidden_state_shards_matches_online(tiny_target, t
                                    "model_path": str(tiny_target)}, codec="raw", dtype="float32")
         hidden_paths.append(out)
     common = dict(max_steps=2, log_every=1)
-    run_cli(*_train_args(tiny_target, token_shards, tmp_path / "on", tmp_path / "on-ck", **common))
-    run_cli(*_train_args(tiny_target, hidden_paths, tmp_path / "off", tmp_path / "off-ck", mode="offline", **common))
+    assert run_in_process(*_train_args(tiny_target, token_shards, tmp_path / "on", tmp_path / "on-ck", **common)) == 0
+    assert run_in_process(*_train_args(tiny_target, hidden_paths, tmp_path / "off", tmp_path / "off-ck",
+                                       mode="offline", **common)) == 0
     on = [json.loads(ln) for ln in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
     off = [json.loads(ln) for ln in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
     assert abs(on[0]["loss"] - off[0]["loss"]) < 1e-4 * abs(on[0]["loss"])
     assert on[0]["count_per_position"] == off[0]["count_per_position"]
     # shards extracted at other layers are refused (wrong ids load fine and then accept nothing)
-    proc = run_cli(*_train_args(tiny_target, hidden_paths, tmp_path / "bad", tmp_path / "bad-ck", mode="offline",
-                                target_layer_ids="2", **common), check=False)
-    assert proc.returncode == 2 and f"extracted at target layers {layer_ids}" in proc.stderr
+    rc = run_in_process(*_train_args(tiny_target, hidden_paths, tmp_path / "bad", tmp_path / "bad-ck", mode="offline",
+                                     target_layer_ids="2", **common))
+    assert rc == 2 and f"extracted at target layers {layer_ids}" in capsys.readouterr().err
 
 
 def test_ddp_two_processes_gloo(tiny_target, token_shards, tmp_path):

@@ -266,8 +266,13 @@ class BlockLoss:
 
 
 def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features: torch.Tensor, gamma: float,
-               attention: str = "sdpa", compute_dtype: torch.dtype | None = None) -> BlockLoss:
-    """One forward of all blocks of the batch and the decay-weighted same-position cross-entropy."""
+               attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
+               labels: torch.Tensor | None = None) -> BlockLoss:
+    """One forward of all blocks of the batch and the decay-weighted same-position cross-entropy.
+
+    `labels` [B, S]: the token expected at each position (default: the data, `batch.input_ids`); block
+    position k of the block anchored at p is scored against labels[p + k].
+    """
     cfg = drafter.config
     bs = cfg.block_size
     ids, anchors, valid = batch.input_ids, batch.anchors, batch.block_valid
@@ -291,7 +296,7 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features:
     label_pos = anchors[:, :, None] + k                                       # [B, N, bs]
     in_range = label_pos < batch.lengths[:, None, None]
     safe = label_pos.clamp(max=s - 1).view(b, n * bs)
-    labels = ids.gather(1, safe).view(b, n, bs)
+    labels = (ids if labels is None else labels).gather(1, safe).view(b, n, bs)
     supervised = batch.loss_mask.gather(1, safe).view(b, n, bs) > 0
     decay = decay_weights(bs, gamma, device=dev)                              # decay[0] == 0
     weights = (valid[:, :, None] & in_range & supervised).float() * decay
@@ -318,6 +323,19 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features:
 # ---------------------------------------------------------------------------------------------------------
 # Online features: the target runs alongside the drafter
 # ---------------------------------------------------------------------------------------------------------
+
+
+def target_features_and_predictions(target, input_ids, lengths, layer_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features as `target_features`, plus the target's own greedy token for every position [B, S]:
+    predictions[t] = argmax of the target's logits at t - 1 (position 0 keeps the data token)."""
+    s = input_ids.shape[1]
+    attn = (torch.arange(s, device=input_ids.device)[None, :] < lengths[:, None]).long()
+    with torch.no_grad():
+        out = target(input_ids=input_ids, attention_mask=attn, output_hidden_states=True, use_cache=False)
+        feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        pred = input_ids.clone()
+        pred[:, 1:] = out.logits[:, :-1].argmax(-1)
+    return feats, pred
 
 
 def target_features(target, input_ids: torch.Tensor, lengths: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
@@ -347,7 +365,31 @@ def write_greedy_token_shard(model_dir: str, out: str, num_samples: int, prompt_
 
     from dflash_pipeline.storage import atomic_path
 
-    target = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is fastest on shared cores
+    try:
+        target = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        ids = _greedy_rollouts(target, num_samples, prompt_len, new_tokens, seed, suffix_len)
+    finally:
+        torch.set_num_threads(threads)
+    rows = {"sample_id": [], "input_ids": [], "loss_mask": [], "length": [], "num_loss_tokens": [], "truncated": []}
+    for i in range(num_samples):
+        seq = ids[i].tolist()
+        mask = [0] * prompt_len + [1] * new_tokens
+        rows["sample_id"].append(f"{prefix}-{i:05d}")
+        rows["input_ids"].append(seq)
+        rows["loss_mask"].append(mask)
+        rows["length"].append(len(seq))
+        rows["num_loss_tokens"].append(new_tokens)
+        rows["truncated"].append(False)
+    schema = pa.schema([("sample_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.int8())), ("length", pa.int32()),
+                        ("num_loss_tokens", pa.int32()), ("truncated", pa.bool_())])
+    with atomic_path(out, suffix=".parquet") as tmp:
+        pq.write_table(pa.table(rows, schema=schema), tmp)
+
+
+def _greedy_rollouts(target, num_samples, prompt_len, new_tokens, seed, suffix_len) -> torch.Tensor:
     vocab = int(target.config.vocab_size)
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, min(vocab, 1000), (num_samples, prompt_len), generator=g)
@@ -364,18 +406,4 @@ def write_greedy_token_shard(model_dir: str, out: str, num_samples: int, prompt_
             past = o.past_key_values
             step_in = o.logits[:, -1].argmax(-1, keepdim=True)
             ids = torch.cat([ids, step_in], dim=1)
-    rows = {"sample_id": [], "input_ids": [], "loss_mask": [], "length": [], "num_loss_tokens": [], "truncated": []}
-    for i in range(num_samples):
-        seq = ids[i].tolist()
-        mask = [0] * prompt_len + [1] * new_tokens
-        rows["sample_id"].append(f"{prefix}-{i:05d}")
-        rows["input_ids"].append(seq)
-        rows["loss_mask"].append(mask)
-        rows["length"].append(len(seq))
-        rows["num_loss_tokens"].append(new_tokens)
-        rows["truncated"].append(False)
-    schema = pa.schema([("sample_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
-                        ("loss_mask", pa.list_(pa.int8())), ("length", pa.int32()),
-                        ("num_loss_tokens", pa.int32()), ("truncated", pa.bool_())])
-    with atomic_path(out, suffix=".parquet") as tmp:
-        pq.write_table(pa.table(rows, schema=schema), tmp)
+    return ids

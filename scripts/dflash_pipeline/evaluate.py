@@ -45,6 +45,7 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tie-tolerance", type=float, default=1e-3, help="logit gap treated as a numerical tie")
     p.add_argument("--seed", type=int, default=0, help="init seed of the untrained drafter")
     p.add_argument("--device", default="auto")
+    p.add_argument("--cpu-threads", type=int, default=1, help="torch threads on CPU (decoding is many tiny ops)")
     p.add_argument("--out", required=True, help="report JSON")
     p.add_argument("--plot", required=True, help="acceptance-curve PNG")
 
@@ -205,6 +206,8 @@ def run_evaluate(args) -> int:
     else:
         device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, args.cpu_threads))
     target = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     head = load_target_head(args.model, dtype=dtype).to(device)
     trained = load_exported(args.drafter, device=device, dtype=dtype)

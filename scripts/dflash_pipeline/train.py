@@ -63,11 +63,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=500)
     p.add_argument("--keep-checkpoints", type=int, default=2)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--labels", choices=["data", "target"], default="data",
+                   help="data: the sequence's own next tokens (the recipe); target (online only): the target's "
+                        "greedy prediction at each position, for data that is not the target's own output")
     p.add_argument("--holdout-fraction", type=float, default=0.0, help="sample ids kept for evaluation")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto",
                    help="auto: flex attention (block-sparse) on GPU, dense-mask SDPA on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the drafter layers (GPU)")
+    p.add_argument("--cpu-threads", type=int, default=1,
+                   help="torch threads on CPU (1: tiny models run far faster without OpenMP spinning on shared cores)")
     p.add_argument("--debug-kill-at-step", type=int, default=0, help=argparse.SUPPRESS)
 
 
@@ -151,7 +156,7 @@ def _fingerprint(args, drafter_cfg, total_steps: int, global_batch: int, n_sampl
     return {
         "drafter": drafter_cfg.to_dict(), "seed": args.seed, "lr": args.lr, "total_steps": total_steps,
         "global_batch": global_batch, "samples": n_samples, "gamma": args.gamma, "num_anchors": args.num_anchors,
-        "max_length": args.max_length, "mode": args.mode,
+        "max_length": args.max_length, "mode": args.mode, "labels": args.labels,
     }
 
 
@@ -203,6 +208,7 @@ def run(args) -> int:
 
     from dflash_pipeline.drafter_data import (
         HiddenSource, TokenSource, block_loss, collate, epoch_order, target_features,
+        target_features_and_predictions,
     )
     from dflash_pipeline.drafter_model import (
         DFlashDrafter, DrafterConfig, count_parameters, load_target_head, make_readable, read_target_config,
@@ -210,8 +216,12 @@ def run(args) -> int:
     )
     from dflash_pipeline.target_layers import default_target_layer_ids, validate_target_layer_ids
 
+    if args.labels == "target" and args.mode != "online":
+        raise PipelineError("--labels target needs --mode online (the target's predictions are not in the shards)")
     dist_ = Dist(args.device)
     dev = dist_.device
+    if dev.type == "cpu":
+        torch.set_num_threads(max(1, args.cpu_threads))
     gpu = dev.type == "cuda"
     attention = args.attention if args.attention != "auto" else ("flex" if gpu else "sdpa")
     torch.manual_seed(args.seed)
@@ -236,11 +246,7 @@ def run(args) -> int:
             raise PipelineError(f"hidden-state shards have hidden size {source.hidden_size}, the target "
                                 f"{dcfg.hidden_size}: were they extracted from another model?")
     else:
-        from transformers import AutoModelForCausalLM
-
         source = TokenSource(args.inputs, args.holdout_fraction, args.max_length)
-        target = AutoModelForCausalLM.from_pretrained(args.model, dtype=head_dtype).to(dev).eval()
-        target.requires_grad_(False)
     if len(source) == 0:
         raise PipelineError("no training samples (all inputs empty or held out)")
 
@@ -284,6 +290,11 @@ def run(args) -> int:
         kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= start_step]
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
 
+    if args.mode == "online":
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(args.model, dtype=head_dtype).to(dev).eval()
+        target.requires_grad_(False)
     model = drafter
     if args.compile and gpu:
         for layer in drafter.layers:
@@ -326,14 +337,18 @@ def run(args) -> int:
         model.train()
         for m, (samples, anchors) in enumerate(micro):
             batch = collate(samples, anchors).to(dev)
-            if batch.features is None:
+            labels = None
+            if batch.features is None and args.labels == "target":
+                feats, labels = target_features_and_predictions(target, batch.input_ids, batch.lengths, layer_ids)
+            elif batch.features is None:
                 feats = target_features(target, batch.input_ids, batch.lengths, layer_ids)
             else:
                 feats = batch.features
             sync_ctx = model.no_sync() if (dist_.world > 1 and m < len(micro) - 1) else _null()
             with sync_ctx, torch.autocast("cuda", dtype=torch.bfloat16, enabled=gpu):
                 out = block_loss(model if dist_.world == 1 else _DDPCall(model), head, batch, feats, args.gamma,
-                                 attention=attention, compute_dtype=torch.bfloat16 if gpu else torch.float32)
+                                 attention=attention, compute_dtype=torch.bfloat16 if gpu else torch.float32,
+                                 labels=labels)
                 (out.loss / len(micro)).backward()
             acc_count += out.count
             acc_correct += out.correct
@@ -437,7 +452,7 @@ def summarize(records: list[dict], dcfg, args, total_steps: int, n_samples: int,
         return None if cnt[k] == 0 else num / cnt[k]
 
     return {
-        "mode": args.mode, "steps": total_steps, "samples": n_samples, "target_layer_ids": dcfg.target_layer_ids,
+        "mode": args.mode, "labels": args.labels, "steps": total_steps, "samples": n_samples, "target_layer_ids": dcfg.target_layer_ids,
         "num_layers": dcfg.num_hidden_layers, "block_size": dcfg.block_size, "mask_token_id": dcfg.mask_token_id,
         "final_loss": records[-1]["loss"] if records else None,
         "final_accuracy": records[-1]["accuracy"] if records else None,
