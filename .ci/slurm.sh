@@ -65,7 +65,7 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$STATE/log/jobcomp.txt
-MinJobAge=300
+MinJobAge=3600
 ReturnToService=2
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1,sched_interval=1

@@ -66,6 +66,53 @@ def slurm_nodes(env=None) -> list[str]:
     return expand_hostlist(nodelist)
 
 
+def slurm_job_info(job_id: str) -> dict[str, str]:
+    """`scontrol show job -o ID` as a dict. Inside a Snakemake SLURM job step most SLURM_* variables are
+    removed from the job's environment (only the job id is kept), so the allocation is asked for here."""
+    if not shutil.which("scontrol"):
+        return {}
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    info = {}
+    for token in out.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            info[key] = value
+    return info
+
+
+def _with_allocation(env) -> dict:
+    """env, completed from `scontrol` with the allocation's node count, node list and GPUs per node."""
+    if not env.get("SLURM_JOB_ID") or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES"):
+        return env
+    info = slurm_job_info(env["SLURM_JOB_ID"])
+    env = dict(env)
+    if info.get("NumNodes"):
+        env["SLURM_JOB_NUM_NODES"] = info["NumNodes"].split("-")[0]
+    if info.get("NodeList"):
+        env["SLURM_JOB_NODELIST"] = info["NodeList"]
+    m = re.search(r"gpu(?::[A-Za-z0-9_.]+)?[:=](\d+)", info.get("TresPerNode", ""))
+    if m and not env.get("SLURM_GPUS_ON_NODE"):
+        env["SLURM_GPUS_ON_NODE"] = m.group(1)
+    return env
+
+
+def train_resources(nodes: int, gpus_per_node: int) -> dict:
+    """Snakemake resources for a training job of `nodes` x `gpus_per_node` GPUs.
+
+    One node: `gpu` (counted locally by --resources gpu=N, `--gpus` on SLURM with the profile's gpu_model).
+    Several nodes (SLURM): a per-node GRES (`--gres=gpu:N` is per node, `--gpus` would be a total), `nodes`,
+    one task per node, and `mpi` so that the SLURM executor runs the command in the batch step instead of
+    one `srun -n1` step: launch-torchrun then starts one torchrun per node with its own srun.
+    """
+    if nodes <= 1:
+        return {"gpu": gpus_per_node, "nodes": 1}
+    return {"nodes": nodes, "gres": f"gpu:{gpus_per_node}", "tasks": nodes, "mpi": "srun"}
+
+
 def _gpus_on_node(env) -> int:
     for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
         value = env.get(key, "")
@@ -81,7 +128,7 @@ def _gpus_on_node(env) -> int:
 def build_command(command: list[str], nproc: str = "auto", nnodes: str = "auto", rdzv_port: int | None = None,
                   env=None, python: str | None = None, max_restarts: int = 0) -> list[str]:
     """The launch command line for `command` under the current environment (see the module doc)."""
-    env = os.environ if env is None else env
+    env = _with_allocation(os.environ if env is None else env)
     python = python or sys.executable
     in_slurm = bool(env.get("SLURM_JOB_ID"))
     if nnodes != "auto":
