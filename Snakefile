@@ -20,6 +20,7 @@ include: "rules/generate.smk"
 include: "rules/extract.smk"
 include: "rules/train.smk"
 include: "rules/evaluate.smk"
+include: "rules/report.smk"
 
 
 rule all:

@@ -32,6 +32,7 @@ STAGES = {
     "evaluate-gate": ("dflash_pipeline.evaluate", "fail unless the trained drafter clearly beats an untrained one"),
     "with-gpus": ("dflash_pipeline.gpu_slots", "run a command on N distinct free GPUs (sets CUDA_VISIBLE_DEVICES)"),
     "launch-torchrun": ("dflash_pipeline.launch_torchrun", "launch a command under torchrun (multi-node inside SLURM)"),
+    "report-figures": ("dflash_pipeline.run_report", "figures and tables for `snakemake --report`"),
 }
 
 

@@ -1,0 +1,42 @@
+# Figures and tables for `snakemake --report report.html`: generation statistics, extraction throughput and
+# storage, training curves, acceptance length, and the wall time of every stage (from the benchmark files).
+# The audit reports (rules/audit.smk) and the evaluation plot (rules/evaluate.smk) are report items too.
+
+
+def _report_inputs(wildcards):
+    inputs = {
+        "train": os.path.join(R, "train/drafter"),
+        "evaluate": os.path.join(R, "evaluate/report.json"),
+    }
+    if config["generate"]["enabled"]:
+        inputs["generation"] = expand(os.path.join(R, "completions/{shard}.summary.json"), shard=shard_ids())
+    if config["train"]["mode"] == "offline":  # hidden-state shards exist only when training reads them
+        inputs["extraction"] = expand(os.path.join(R, "hidden/{shard}.stats.json"), shard=shard_ids())
+    return inputs
+
+
+rule run_report:
+    input:
+        unpack(_report_inputs),
+    output:
+        generation=report(os.path.join(R, "report/generation.png"), category="Generation"),
+        extraction=report(os.path.join(R, "report/extraction.png"), category="Extraction"),
+        training=report(os.path.join(R, "report/training.png"), category="Training"),
+        tau=report(os.path.join(R, "report/tau.png"), category="Evaluation"),
+        summary=report(os.path.join(R, "report/summary.html"), category="Summary"),
+    params:
+        generation=lambda wc, input: input.get("generation", []),
+        extraction=lambda wc, input: input.get("extraction", []),
+        benchmarks=os.path.join(R, "benchmarks"),
+        out_dir=lambda wc, output: os.path.dirname(output.summary),
+    log:
+        log("run_report"),
+    conda:
+        ENV_CPU
+    shell:
+        "{PKG} report-figures --generation {params.generation} --extraction {params.extraction} "
+        "--train {input.train} --evaluate {input.evaluate} --benchmarks {params.benchmarks} "
+        "--out-dir {params.out_dir} > {log} 2>&1"
+
+
+add_final_target(lambda: [os.path.join(R, "report/summary.html")])

@@ -1,0 +1,240 @@
+"""`dflash-pipeline report-figures`: the figures and tables of `snakemake --report` for one run.
+
+Reads what the stages already wrote (generation summaries, extraction stats, the training metrics log, the
+evaluation report, Snakemake's per-job benchmark files) and writes, into `--out-dir`:
+`generation.png`, `extraction.png`, `training.png`, `tau.png` and `summary.html` (the numbers behind them).
+The rules mark these with `report()`, so `snakemake --report report.html` collects them beside the audit
+reports and the evaluation plot. A stage that did not run in this configuration gets a figure saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import html
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+from dflash_pipeline.storage import atomic_open, atomic_path
+
+FIGURES = ("generation.png", "extraction.png", "training.png", "tau.png")
+
+
+def _read_json(path):
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _shard_name(path: str) -> str:
+    name = Path(path).name
+    for suffix in (".summary.json", ".stats.json"):
+        name = name.removesuffix(suffix)
+    return name.removesuffix(".dfhs")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: Path) -> None:
+    with atomic_path(out, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
+    _plt().close(fig)
+
+
+def _placeholder(out: Path, title: str, text: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 1.6))
+    ax.axis("off")
+    ax.set_title(title)
+    ax.text(0.5, 0.4, text, ha="center", va="center", wrap=True)
+    _save(fig, out)
+
+
+def generation_figure(summaries: list[str], out: Path) -> dict:
+    if not summaries:
+        _placeholder(out, "Generation", "not run in this configuration (generate.enabled: false)")
+        return {}
+    rows = [(_shard_name(p), _read_json(p)) for p in sorted(summaries)]
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    names = [n for n, _ in rows]
+    ok = [s.get("ok", 0) for _, s in rows]
+    failed = [s.get("failed", 0) for _, s in rows]
+    length = [s.get("finish_reason_length", 0) for _, s in rows]
+    x = range(len(rows))
+    ax1.bar(x, ok, label="ok")
+    ax1.bar(x, failed, bottom=ok, label="failed")
+    ax1.plot(list(x), length, "k.", label="finish_reason=length")
+    ax1.set_title("Samples per shard")
+    ax1.set_xticks(list(x), names, rotation=60, ha="right", fontsize=7)
+    ax1.legend(fontsize=7)
+    tps = [(s.get("this_run") or {}).get("completion_tokens_per_s", 0) for _, s in rows]
+    ax2.bar(x, tps)
+    ax2.set_title("Completion tokens/s (last run of each shard)")
+    ax2.set_xticks(list(x), names, rotation=60, ha="right", fontsize=7)
+    _save(fig, out)
+    reasons: dict[str, int] = defaultdict(int)
+    for _, s in rows:
+        for k, v in (s.get("failure_reasons") or {}).items():
+            reasons[k] += v
+    return {
+        "shards": len(rows), "samples": sum(s.get("samples", 0) for _, s in rows), "ok": sum(ok),
+        "failed": sum(failed), "finish_reason_length": sum(length),
+        "prompt_tokens": sum(s.get("prompt_tokens", 0) for _, s in rows),
+        "completion_tokens": sum(s.get("completion_tokens", 0) for _, s in rows),
+        "resumed_from_journal": sum(s.get("resumed_from_journal", 0) for _, s in rows),
+        "failure_reasons": dict(reasons),
+    }
+
+
+def extraction_figure(stats: list[str], out: Path) -> dict:
+    if not stats:
+        _placeholder(out, "Extraction", "no hidden-state shards in this configuration (train.mode: online)")
+        return {}
+    rows = [(_shard_name(p), _read_json(p)) for p in sorted(stats)]
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    names = [n for n, _ in rows]
+    x = list(range(len(rows)))
+    ax1.bar(x, [s.get("tokens_per_s", 0) for _, s in rows])
+    ax1.set_title("Extraction throughput (tokens/s, end to end)")
+    ax1.set_xticks(x, names, rotation=60, ha="right", fontsize=7)
+    per_token = [s.get("stored_bytes", 0) / max(1, s.get("tokens", 1)) for _, s in rows]
+    raw = [s.get("raw_bf16_bytes", 0) / max(1, s.get("tokens", 1)) for _, s in rows]
+    ax2.bar([i - 0.2 for i in x], raw, width=0.4, label="raw bf16")
+    ax2.bar([i + 0.2 for i in x], per_token, width=0.4, label="stored")
+    ax2.set_title("Bytes per token")
+    ax2.set_xticks(x, names, rotation=60, ha="right", fontsize=7)
+    ax2.legend(fontsize=7)
+    _save(fig, out)
+    tokens = sum(s.get("tokens", 0) for _, s in rows)
+    stored = sum(s.get("stored_bytes", 0) for _, s in rows)
+    raw_total = sum(s.get("raw_bf16_bytes", 0) for _, s in rows)
+    seconds = sum(s.get("seconds", 0) for _, s in rows)
+    return {
+        "shards": len(rows), "samples": sum(s.get("samples", 0) for _, s in rows), "tokens": tokens,
+        "stored_bytes": stored, "raw_bf16_bytes": raw_total,
+        "stored_vs_raw_bf16": round(stored / raw_total, 4) if raw_total else None,
+        "file_bytes": sum(s.get("file_bytes", 0) for _, s in rows),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+        "codec": sorted({str(s.get("codec")) for _, s in rows}),
+    }
+
+
+def training_figure(metrics: str | None, out: Path) -> dict:
+    records = []
+    if metrics and os.path.exists(metrics):
+        with open(metrics, encoding="utf-8") as fh:
+            records = [json.loads(line) for line in fh if line.strip()]
+    if not records:
+        _placeholder(out, "Training", "no training metrics found")
+        return {}
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    steps = [r["step"] for r in records]
+    axes[0].plot(steps, [r.get("loss") for r in records], marker=".")
+    axes[0].set_title("loss")
+    axes[1].plot(steps, [r.get("accuracy") for r in records], marker=".")
+    axes[1].set_title("block accuracy")
+    axes[2].plot(steps, [r.get("lr") for r in records], marker=".")
+    axes[2].set_title("learning rate")
+    for ax in axes:
+        ax.set_xlabel("optimizer step")
+    _save(fig, out)
+    last = records[-1]
+    return {"steps": last.get("step"), "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"),
+            "tokens_per_s": last.get("tokens_per_s")}
+
+
+def tau_figure(report: str | None, out: Path) -> dict:
+    if not report or not os.path.exists(report):
+        _placeholder(out, "Acceptance length", "no evaluation report")
+        return {}
+    rep = _read_json(report)
+    names = [n for n in ("untrained", "trained") if isinstance(rep.get(n), dict)]
+    taus = [rep[n].get("tau", 0) for n in names]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(names, taus, color=["#999999", "#1f77b4"][: len(names)])
+    for i, t in enumerate(taus):
+        ax.text(i, t, f"{t:.2f}", ha="center", va="bottom")
+    ax.set_ylabel("tau (accepted tokens per target forward)")
+    ax.set_title(f"Acceptance length, block size {rep.get('block_size')}")
+    _save(fig, out)
+    return {"passed": rep.get("passed"), "block_size": rep.get("block_size"),
+            "target_layer_ids": rep.get("target_layer_ids"), **{f"tau_{n}": rep[n].get("tau") for n in names},
+            "reasons": rep.get("reasons")}
+
+
+def stage_times(bench_dir: str | None) -> dict:
+    """Wall seconds per rule from Snakemake's benchmark files (benchmarks/<rule>[/...].tsv)."""
+    totals: dict[str, list[float]] = defaultdict(list)
+    if not bench_dir or not os.path.isdir(bench_dir):
+        return {}
+    for path in glob.glob(os.path.join(bench_dir, "**", "*.tsv"), recursive=True):
+        rel = os.path.relpath(path, bench_dir)
+        stage = rel.split(os.sep)[0].removesuffix(".tsv")
+        if stage == "tokenize":
+            parts = rel.split(os.sep)
+            stage = f"tokenize ({parts[1]})" if len(parts) > 2 else stage
+        with open(path, encoding="utf-8") as fh:
+            for row in csv.DictReader(fh, delimiter="\t"):
+                try:
+                    totals[stage].append(float(row["s"]))
+                except (KeyError, ValueError):
+                    pass
+    return {k: {"jobs": len(v), "seconds": round(sum(v), 2), "max_s": round(max(v), 2)} for k, v in sorted(totals.items())}
+
+
+def _table(title: str, data: dict) -> str:
+    if not data:
+        return f"<h2>{html.escape(title)}</h2><p>not run in this configuration</p>"
+    rows = "".join(
+        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(json.dumps(v) if isinstance(v, (dict, list)) else str(v))}</td></tr>"
+        for k, v in data.items()
+    )
+    return f"<h2>{html.escape(title)}</h2><table>{rows}</table>"
+
+
+def write_summary(out: Path, sections: dict[str, dict]) -> None:
+    body = "".join(_table(title, data) for title, data in sections.items())
+    page = ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>DFlash pipeline run</title><style>"
+            "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin-bottom:1em}"
+            "th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}th{background:#f4f4f4}"
+            f"</style></head><body><h1>DFlash pipeline run</h1>{body}</body></html>\n")
+    with atomic_open(out, "w", encoding="utf-8") as fh:
+        fh.write(page)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--generation", nargs="*", default=[], help="completions/*.summary.json")
+    p.add_argument("--extraction", nargs="*", default=[], help="hidden/*.stats.json")
+    p.add_argument("--train", default=None, help="the trained drafter directory (its metrics.jsonl)")
+    p.add_argument("--evaluate", default=None, help="evaluate/report.json")
+    p.add_argument("--benchmarks", default=None, help="the run's benchmarks directory")
+    p.add_argument("--out-dir", required=True)
+
+
+def run(args) -> int:
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = os.path.join(args.train, "metrics.jsonl") if args.train else None
+    sections = {
+        "Generation": generation_figure(args.generation, out / "generation.png"),
+        "Extraction": extraction_figure(args.extraction, out / "extraction.png"),
+        "Training": training_figure(metrics, out / "training.png"),
+        "Acceptance length (tau)": tau_figure(args.evaluate, out / "tau.png"),
+        "Stage wall time (Snakemake benchmarks)": stage_times(args.benchmarks),
+    }
+    write_summary(out / "summary.html", sections)
+    print(json.dumps({k: v for k, v in sections.items()}, default=str)[:2000])
+    return 0
