@@ -66,7 +66,7 @@ rule extract:
         ENV_GPU
     shell:
         # a killed job leaves {output.hidden}.partial + .journal behind: the rerun resumes from them
-        "{PKG} extract --tokens {input.tokens} --model {params.model} --out {output.hidden} "
+        "{PKG} with-gpus --n {resources.gpu} -- {PKG} extract --tokens {input.tokens} --model {params.model} --out {output.hidden} "
         "--stats {output.stats} --drafter-config {params.drafter:q} --codec {params.codec} --level {params.level} "
         "--dtype {params.dtype} --device {params.device} --compile {params.compile} "
         "--token-budget {params.token_budget} --flush-tokens {params.flush_tokens} "

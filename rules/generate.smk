@@ -111,7 +111,7 @@ if GEN["enabled"] and GEN["shards_per_job"] == 1:
         conda:
             GEN_ENV
         shell:
-            "{PKG} generate --input {input.shard} --out {output.completions} --model {params.model} "
+            "{PKG} with-gpus --n {resources.gpu} -- {PKG} generate --input {input.shard} --out {output.completions} --model {params.model} "
             "--journal-dir {params.journal} --server-log-dir {params.server_logs} {params.flags} > {log} 2>&1"
 
 elif GEN["enabled"]:
@@ -139,7 +139,7 @@ elif GEN["enabled"]:
         conda:
             GEN_ENV
         shell:
-            "{PKG} generate --input {input.shards} --out {params.outs} --model {params.model} "
+            "{PKG} with-gpus --n {resources.gpu} -- {PKG} generate --input {input.shards} --out {params.outs} --model {params.model} "
             "--journal-dir {params.journal} --server-log-dir {params.server_logs} {params.flags} > {log} 2>&1"
 
     rule completions_from_group:

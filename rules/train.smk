@@ -2,6 +2,8 @@
 # layout SGLang and vLLM load. Offline mode reads the extracted hidden-state shards; online mode reads the
 # token shards and runs the target beside the drafter (no hidden states on disk).
 
+from dflash_pipeline.launch_torchrun import train_resources
+
 TRAIN = config["train"]
 DRAFTER = config["drafter"]
 
@@ -57,8 +59,8 @@ rule train:
         nproc=max(1, TRAIN["gpus"]),
         nodes=TRAIN["nodes"],
     resources:
-        gpu=TRAIN["gpus"],
-        nodes=TRAIN["nodes"],
+        # one node: gpu=N; several (SLURM): a per-node GRES, one task per node, mpi (see launch_torchrun)
+        **train_resources(TRAIN["nodes"], TRAIN["gpus"]),
     log:
         log("train"),
     benchmark:

@@ -74,3 +74,11 @@ def test_real_two_worker_rendezvous(tmp_path):
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["world"] == 2 and r["sum"] == 3.0 for r in results)
     assert [r["local_rank"] for r in results] == [0, 1]
+
+
+def test_train_resources_one_and_many_nodes():
+    from dflash_pipeline.launch_torchrun import train_resources
+
+    assert train_resources(1, 8) == {"gpu": 8, "nodes": 1}
+    # several nodes: a per-node GRES (not --gpus, a total), one launcher task per node, run in the batch step
+    assert train_resources(4, 8) == {"nodes": 4, "gres": "gpu:8", "tasks": 4, "mpi": "srun"}
