@@ -95,7 +95,7 @@ def main():
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--variants", default="flex,flex+compile")
+    p.add_argument("--variants", default="flex,flex+compile,online+flex+compile")
     args = p.parse_args()
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -137,21 +137,47 @@ def main():
         print(f"{r[0]:18s} {r[1]:8.1f} {r[2]:9.0f} {r[3]:8.1f} {r[4]:8.1f}% {r[5]:7.1f}% {r[6]:9.1f} {r[7]:9.1f} {r[8]:7.3f}")
 
 
+_TARGET = {}
+
+
+def qwen3_8b_target(dev):
+    """A random bf16 Qwen3-8B (for the online variant: the target computes the features every step)."""
+    if "m" not in _TARGET:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        tc = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                         attn_implementation="sdpa")
+        with torch.device(dev):
+            _TARGET["m"] = Qwen3ForCausalLM(tc).to(torch.bfloat16).eval().requires_grad_(False)
+    return _TARGET["m"]
+
+
 def run_variant(variant, cfg, head, args, dev, gen, mm):
+    online = "online" in variant
+    target = qwen3_8b_target(dev) if online else None
     if True:
         torch.manual_seed(0)
         model = DFlashDrafter(cfg).to(dev)
         if "compile" in variant:
             for layer in model.layers:
                 layer.compile()
-        attention = "flex" if variant.startswith("flex") else "sdpa"
+        attention = "flex" if "flex" in variant else "sdpa"
         opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), fused=True)
         batches = [make_batch(cfg, args.batch, args.seq, args.anchors, dev, gen) for _ in range(3)]
         flops = sum(model_flops(cfg, bt) for bt in batches) / len(batches)
 
+        if online:  # the target's forward every step replaces the stored features (8B: 2 * 7.57e9 FLOP/token)
+            from dflash_pipeline.drafter_data import target_features
+
+            flops += 2 * 7.57e9 * args.batch * args.seq
+
         def step(bt):
+            feats = bt.features
+            if online:
+                feats = target_features(target, bt.input_ids, bt.lengths, cfg.target_layer_ids)
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = block_loss(model, head, bt, bt.features, 7.0, attention=attention, compute_dtype=torch.bfloat16)
+                out = block_loss(model, head, bt, feats, 7.0, attention=attention, compute_dtype=torch.bfloat16)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()

@@ -36,6 +36,7 @@ def _train_args():
         f"--checkpoint-every {t['checkpoint_every']}", f"--keep-checkpoints {t['keep_checkpoints']}",
         f"--log-every {t['log_every']}", f"--holdout-fraction {config['evaluate']['holdout_fraction']}",
         f"--attention {t['attention']}",
+        f"--labels {t['labels']}",
     ]
     if t.get("compile"):
         args.append("--compile")

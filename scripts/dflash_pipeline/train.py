@@ -277,7 +277,19 @@ def run(args) -> int:
     if last is not None:
         state = torch.load(last, map_location="cpu", weights_only=True)
         if json.loads(state["fingerprint"]) != json.loads(json.dumps(fp)):
-            raise PipelineError(f"{last} was written by a run with other settings; delete {ckpt_dir} to start over")
+            # other settings or data (a config change reruns the rule): never mix runs; keep the old files
+            dist_.barrier()
+            if dist_.main:
+                aside = ckpt_dir / f"stale-{time.strftime('%Y%m%d-%H%M%S')}"
+                aside.mkdir()
+                for f in list(ckpt_dir.glob("step-*.pt")) + [metrics_path]:
+                    if f.exists():
+                        f.rename(aside / f.name)
+                log.warning("%s was written by a run with other settings; moved to %s, starting at step 0",
+                            last, aside)
+            dist_.barrier()
+            state = None
+    if last is not None and state is not None:
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
