@@ -185,10 +185,13 @@ class Batch:
         )
 
 
-def collate(samples: list[dict], anchors: list[torch.Tensor]) -> Batch:
+def collate(samples: list[dict], anchors: list[torch.Tensor], pad_multiple: int = 1, num_blocks: int = 0) -> Batch:
+    """Pad a batch; `pad_multiple` rounds the sequence length up and `num_blocks` fixes the block count, so
+    compiled kernels (flex attention, torch.compile on GPU) see few distinct shapes instead of one per batch."""
     b = len(samples)
     s = max(len(x["input_ids"]) for x in samples)
-    n = max(1, max(len(a) for a in anchors))
+    s = -(-s // pad_multiple) * pad_multiple
+    n = max(1, num_blocks, max(len(a) for a in anchors))
     input_ids = torch.zeros(b, s, dtype=torch.long)
     loss_mask = torch.zeros(b, s, dtype=torch.float32)
     lengths = torch.zeros(b, dtype=torch.long)

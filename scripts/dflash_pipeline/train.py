@@ -348,7 +348,8 @@ def run(args) -> int:
             prefetch.start(step + 1)
         model.train()
         for m, (samples, anchors) in enumerate(micro):
-            batch = collate(samples, anchors).to(dev)
+            batch = collate(samples, anchors, pad_multiple=256 if gpu else 1,
+                            num_blocks=args.num_anchors if gpu else 0).to(dev)
             labels = None
             if batch.features is None and args.labels == "target":
                 feats, labels = target_features_and_predictions(target, batch.input_ids, batch.lengths, layer_ids)
