@@ -92,7 +92,8 @@ if GEN["enabled"] and GEN["shards_per_job"] == 1:
     rule generate:
         input:
             shard=os.path.join(R, "ingest/shards/{shard}.parquet"),
-            gate=os.path.join(R, "audit/source/gate.ok"),
+            # ancient: the gate must have passed, but its rewrite (another shard changed) redoes no generation
+            gate=ancient(os.path.join(R, "audit/source/gate.ok")),
             model=target_model_files(),
         output:
             completions=os.path.join(R, "completions/{shard}.parquet"),
@@ -120,7 +121,8 @@ elif GEN["enabled"]:
         input:
             shards=lambda wc: expand(os.path.join(R, "ingest/shards/{shard}.parquet"),
                                      shard=_gen_group_members(wc.gengroup)),
-            gate=os.path.join(R, "audit/source/gate.ok"),
+            # ancient: the gate must have passed, but its rewrite (another shard changed) redoes no generation
+            gate=ancient(os.path.join(R, "audit/source/gate.ok")),
             model=target_model_files(),
         output:
             directory(os.path.join(R, "completions/groups/{gengroup}")),
