@@ -307,6 +307,12 @@ def run(args) -> int:
 
         target = AutoModelForCausalLM.from_pretrained(args.model, dtype=head_dtype).to(dev).eval()
         target.requires_grad_(False)
+    if gpu:  # one compiled kernel per padded shape (max_length / 256 buckets): allow that many recompiles
+        import torch._dynamo as dynamo  # (a plain `import torch._dynamo` would make `torch` local here)
+
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
     model = drafter
     if args.compile and gpu:
         for layer in drafter.layers:
