@@ -62,6 +62,7 @@ def make_rundir(root: Path, n_shards: int, n_files: int, model: Path) -> None:
         f"inputs: [{', '.join(f'raw/{s}.jsonl' for s in srcs)}]\n"
         f"target: {{model_path: {model}}}\n"
         f"ingest: {{shard_size: {shard_size}}}\n"
+        "train: {mode: offline}\n"  # the largest DAG: extraction jobs per shard too
     )
 
 
