@@ -169,3 +169,27 @@ def test_holdout_split_and_epoch_order_are_deterministic():
 
     a, b, c = epoch_order(Src(), 0, 0), epoch_order(Src(), 0, 0), epoch_order(Src(), 0, 1)
     assert a == b and a != c and sorted(a) == list(range(50))
+
+
+class _PositionOracle(torch.nn.Module):
+    """Returns, for each block token at position p, the LM-head row of the sequence's token at p + shift."""
+
+    def __init__(self, cfg, head, input_ids, shift):
+        super().__init__()
+        self.config, self.head, self.ids, self.shift = cfg, head, input_ids, shift
+
+    def forward(self, noise_embedding, features, ctx_positions, block_positions, mask=None, cache=None):
+        pos = (block_positions + self.shift).clamp(max=self.ids.shape[1] - 1)
+        return self.head.lm_head.weight[self.ids.gather(1, pos)] * 50.0
+
+
+def test_training_labels_are_same_position_not_shifted(parts):
+    """A drafter that outputs token anchor+k at block position k is scored 100% right; one shifted by a
+    position (the known bug that collapses acceptance) is scored wrong."""
+    cfg, head, _, target = parts
+    batch, feats = _batch(cfg, target, lengths=(60, 45), prompt=10, anchors=20, seed=3)
+    right = block_loss(_PositionOracle(cfg, head, batch.input_ids, 0), head, batch, feats, gamma=7.0)
+    assert torch.equal(right.correct, right.count) and right.count.sum() > 0
+    shifted = block_loss(_PositionOracle(cfg, head, batch.input_ids, 1), head, batch, feats, gamma=7.0)
+    assert float(shifted.correct.sum()) < 0.1 * float(shifted.count.sum())
+    assert float(shifted.loss) > float(right.loss) + 1.0
