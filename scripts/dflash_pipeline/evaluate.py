@@ -196,6 +196,14 @@ def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_
 
 
 def run_evaluate(args) -> int:
+    threads = torch.get_num_threads()  # the CPU thread setting is the stage's own, not its caller's
+    try:
+        return _run_evaluate(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_evaluate(args) -> int:
     from transformers import AutoModelForCausalLM
 
     from dflash_pipeline.drafter_model import DFlashDrafter, load_target_head

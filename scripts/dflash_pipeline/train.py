@@ -204,6 +204,14 @@ class Prefetcher:
 
 
 def run(args) -> int:
+    threads = torch.get_num_threads()  # the CPU thread setting is the stage's own, not its caller's
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args) -> int:
     from safetensors.torch import save_file
 
     from dflash_pipeline.drafter_data import (
