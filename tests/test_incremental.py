@@ -1,0 +1,211 @@
+"""Incremental runs of the real workflow (tiny demo config, local profile).
+
+After one full run: nothing to do; touching one raw file redoes only that file's shards; removing one
+shard's output redoes only that shard; a job killed mid-run leaves nothing a rerun mistakes for done; a
+change to one stage's parameters reruns that stage and what depends on it, and a code change alone does not
+(the rerun triggers of the profiles: mtime, params, input).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN
+from workflow_runs import changed, make_workdir, planned, snakemake, snapshot, workflow_env
+
+pytestmark = pytest.mark.slow
+
+SHARD_RE = re.compile(r"(?P<shard>[A-Za-z0-9_.]+-\d{5})")
+
+
+@pytest.fixture(scope="module")
+def done_run(tmp_path_factory, tiny_target):
+    """A run directory where the whole workflow has run once."""
+    workdir = make_workdir(tmp_path_factory.mktemp("incremental") / "run", model=tiny_target)
+    t0 = time.monotonic()
+    snakemake(workdir, "--cores", "2")
+    print(f"full run: {time.monotonic() - t0:.1f} s")
+    return workdir
+
+
+def _shards(workdir: Path) -> list[str]:
+    return sorted(p.name.removesuffix(".parquet") for p in (workdir / "results/ingest/shards").glob("*.parquet"))
+
+
+def _per_shard(paths) -> dict[str, set[str]]:
+    by_shard: dict[str, set[str]] = {}
+    for p in paths:
+        m = SHARD_RE.search(Path(p).name)
+        if m:
+            by_shard.setdefault(m.group("shard"), set()).add(p)
+    return by_shard
+
+
+def test_nothing_to_do_after_a_full_run(done_run):
+    assert planned(snakemake(done_run, "-n")) == {}
+    assert len(_shards(done_run)) >= 2
+
+
+def test_report_collects_every_stage(done_run):
+    """`snakemake --report` after the run: one HTML file with the audit reports, generation statistics,
+    extraction throughput and storage, training curves and tau."""
+    snakemake(done_run, "--report", "report.html")
+    page = (done_run / "report.html").read_text(errors="replace")
+    for item in ("report.html", "generation.png", "extraction.png", "training.png", "tau.png", "acceptance.png",
+                 "summary.html"):
+        assert item in page, item
+    summary = (done_run / "results/report/summary.html").read_text()
+    for section in ("Generation", "Training", "Acceptance length", "Stage wall time"):
+        assert section in summary
+    assert planned(snakemake(done_run, "-n")) == {}
+
+
+def test_interrupted_run_redoes_only_the_missing_shard(done_run):
+    """What an interrupted run leaves: one shard's outputs missing and the aggregate over all shards not
+    written. The rerun makes that one shard and the aggregate, nothing else. (A missing intermediate
+    whose consumers are all up to date is not rebuilt at all: Snakemake 9 only makes what is needed.)"""
+    shard = _shards(done_run)[0]
+    lost = [done_run / f"results/tokens/source/{shard}.audit.json", done_run / f"results/tokens/source/{shard}.parquet"]
+    report = done_run / "results/audit/source/report.json"
+    before = snapshot(done_run)
+    for path in lost:
+        path.unlink()
+    assert planned(snakemake(done_run, "-n")) == {}  # consumers up to date: nothing needed
+    report.unlink()
+    plan = planned(snakemake(done_run, "-n", str(report.relative_to(done_run))))
+    assert plan == {"tokenize": 1, "audit": 1}, plan
+    snakemake(done_run, str(report.relative_to(done_run)), "--cores", "2")
+    assert all(path.exists() for path in lost) and report.exists()
+    by_shard = _per_shard(changed(before, snapshot(done_run)))
+    assert set(by_shard) == {shard}, by_shard
+
+
+def _tmp_files(directory: Path) -> list[Path]:
+    return [p for p in directory.glob(".*") if ".tmp" in p.name]
+
+
+def test_killed_job_leaves_nothing_a_rerun_trusts(done_run):
+    """Kill Snakemake and its job (SIGKILL, no cleanup) while the job is writing, then rerun."""
+    shard = _shards(done_run)[-1]
+    target = done_run / f"results/tokens/source/{shard}.parquet"
+    audit = target.with_suffix(".audit.json")
+    target.unlink()
+    audit.unlink()
+    report = "results/audit/source/report.json"
+    (done_run / report).unlink(missing_ok=True)  # the aggregate of an interrupted run
+    proc = subprocess.Popen(
+        [str(BIN / "snakemake"), report, "--profile", "profiles/local",
+         "--configfile", "tiny.yaml", "--cores", "1"],
+        cwd=done_run, env=workflow_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    # the job is running once its log exists; kill the moment a temporary output shows up (mid-write),
+    # or after a few seconds of running if the write is too quick to catch
+    log = done_run / f"results/logs/tokenize/source/{shard}.log"
+    log.unlink(missing_ok=True)
+    deadline = time.monotonic() + 120
+    started = None
+    caught_mid_write = False
+    while time.monotonic() < deadline and proc.poll() is None:
+        if started is None and log.exists():
+            started = time.monotonic()
+        if started is not None:
+            if _tmp_files(target.parent):
+                caught_mid_write = True
+                break
+            if time.monotonic() - started > 3.0:
+                break
+        time.sleep(0.002)
+    assert proc.poll() is None, "the job finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    # nothing that looks like the finished output
+    assert not target.exists() and not audit.exists(), f"killed job left its outputs (mid-write: {caught_mid_write})"
+    # the rerun plans exactly that job again and completes it; leftovers of the killed writer are ignored
+    plan = planned(snakemake(done_run, "-n", report))
+    assert plan == {"tokenize": 1, "audit": 1}, plan
+    snakemake(done_run, "--unlock")  # a killed Snakemake leaves its directory lock (README: after a crash)
+    snakemake(done_run, report, "--cores", "2")
+    assert target.exists() and audit.exists()
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(target).num_rows > 0
+    assert planned(snakemake(done_run, "-n", report)) == {}
+
+
+def test_param_change_reruns_that_stage_and_descendants_only(done_run):
+    (done_run / "longer.yaml").write_text("tokenize:\n  max_length: 2048\n")
+    plan = planned(snakemake(done_run, "-n", configfiles=("tiny.yaml", "longer.yaml")))
+    n = len(_shards(done_run))
+    # tokenize (every shard of the datasets that exist) and what reads its files; nothing upstream
+    assert plan.get("tokenize", 0) >= n, plan
+    for upstream in ("demo_data", "tiny_target", "ingest", "manifest", "shard"):
+        assert upstream not in plan, plan
+    assert "audit" in plan
+    # with mtime alone the parameter change goes unnoticed: why the profiles add `params`
+    assert planned(snakemake(done_run, "-n", "--rerun-triggers", "mtime",
+                             configfiles=("tiny.yaml", "longer.yaml"))) == {}
+
+
+def test_code_change_alone_does_not_rerun(done_run):
+    """Editing a rule's command (a refactor, a comment) does not redo finished shards with the profile's
+    triggers; Snakemake's default triggers (which include `code`) would."""
+    rule_file = done_run / "rules/tokenize.smk"
+    target = "results/audit/source/report.json"
+    original = rule_file.read_text()
+    try:
+        rule_file.write_text(original.replace('"--batch-size {params.batch_size}', '"--batch-size {params.batch_size} ', 1))
+        assert original != rule_file.read_text()
+        assert planned(snakemake(done_run, "-n", target)) == {}
+        with_code = planned(snakemake(done_run, "-n", target, "--rerun-triggers", "mtime", "params", "input", "code"))
+        assert with_code.get("tokenize", 0) >= len(_shards(done_run))
+    finally:
+        rule_file.write_text(original)
+
+
+def test_changing_one_raw_file_redoes_only_its_chain(done_run):
+    # last in this module: it leaves the stages after the source gate out of date
+    src = "sharegpt_part1_cleaned_split"
+    raw = done_run / f"data/demo/{src}.json"
+    audit = "results/audit/source/report.json"  # the chain up to the audit over all shards
+    before = snapshot(done_run)
+    # touched, same bytes: Snakemake compares the checksum it recorded (files up to
+    # --max-checksum-file-size, 1 MB by default) and redoes nothing; a big file is judged by its time
+    os.utime(raw)
+    assert planned(snakemake(done_run, "-n", audit)) == {}
+    big = planned(snakemake(done_run, "-n", audit, "--max-checksum-file-size", "0"))
+    assert big.get("ingest") == 1 and big.get("manifest") == 1, big
+    assert "demo_data" not in big and "tiny_target" not in big
+    # new content: that file is ingested again and only its shards are redone
+    records = json.loads(raw.read_text())
+    records[0]["conversations"][-1]["value"] += " (revised)"
+    raw.write_text(json.dumps(records))
+    plan = planned(snakemake(done_run, "-n", audit))
+    assert plan.get("ingest") == 1 and plan.get("manifest") == 1, plan
+    # the per-shard chain up to the audit over all shards (past the gate, see the xfail test below)
+    snakemake(done_run, audit, "--cores", "2")
+    touched = changed(before, snapshot(done_run))
+    by_shard = _per_shard(touched)
+    assert by_shard, touched
+    # every per-shard file that was rewritten belongs to that file's shards ...
+    assert all(shard.startswith(src + "-") for shard in by_shard), sorted(by_shard)
+    # ... all of that file's shards were redone, and no other raw file was ingested again
+    assert set(by_shard) == {s for s in _shards(done_run) if s.startswith(src + "-")}
+    assert not any("ingest/files/" in p and src not in p for p in touched)
+    assert planned(snakemake(done_run, "-n", audit)) == {}
+
+
+@pytest.mark.xfail(strict=False, reason="known: every generate job takes audit/source/gate.ok as an input, so when "
+                   "the source audit's content changes (any source shard changed) the gate is rewritten and generation "
+                   "is redone for all shards; fix: make the gate a checkpoint that generate's input function waits for")
+def test_regating_does_not_redo_other_shards_generation(done_run):
+    plan = planned(snakemake(done_run, "-n"))  # after the raw file change above
+    assert plan.get("generate", 0) <= 1, plan
