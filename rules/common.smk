@@ -64,10 +64,16 @@ def raw_input(wildcards):
     return storage.s3(path) if path.startswith("s3://") else path
 
 
+# every file `dflash-pipeline tiny-model` writes: all are declared, so under S3 storage the whole model
+# directory travels to the jobs that need it (config.json first: target_model_dir() takes its directory)
+DEMO_TARGET_FILES = ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                     "tokenizer_config.json", "chat_template.jinja", "demo_target.json"]
+
+
 def target_model_files():
     """Files that make the target model an input, so demo jobs wait for the rule that builds it."""
     if config["demo"]["enabled"]:
-        return [os.path.join(config["target"]["model_path"], "config.json")]
+        return [os.path.join(config["target"]["model_path"], f) for f in DEMO_TARGET_FILES]
     return []
 
 

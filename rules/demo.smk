@@ -18,7 +18,7 @@ if config["demo"]["enabled"]:
 
     rule tiny_target:
         output:
-            config=os.path.join(config["target"]["model_path"], "config.json"),
+            target_model_files(),
         params:
             pretrain_steps=config["demo"].get("target_pretrain_steps", 0),
         log:
@@ -28,4 +28,4 @@ if config["demo"]["enabled"]:
         conda:
             ENV_CPU
         shell:
-            "{PKG} tiny-model --out $(dirname {output.config}) --pretrain-steps {params.pretrain_steps} > {log} 2>&1"
+            "{PKG} tiny-model --out $(dirname {output[0]}) --pretrain-steps {params.pretrain_steps} > {log} 2>&1"
