@@ -88,11 +88,12 @@ def snakemake(workdir: Path, *args, config: dict | None = None, timeout=600) -> 
 @pytest.mark.slow
 def test_snakemake_failed_gate_stops_the_run(tmp_path):
     """Training on the original placeholder answers (no regeneration): the gate stops the workflow."""
-    cfg = {"generate": {"enabled": False}, "demo": {"enabled": True, "records": 90, "placeholder_rate": 0.5}}
+    cfg = {"generate": {"enabled": False},
+           "demo": {"enabled": True, "records": 90, "placeholder_rate": 0.5, "target_pretrain_steps": 0}}
     t0 = time.time()
     plan = snakemake(tmp_path, "-n", config=cfg)
     assert plan.returncode == 0, plan.stderr
-    proc = snakemake(tmp_path, "--keep-going", config=cfg)
+    proc = snakemake(tmp_path, config=cfg)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "DATA AUDIT GATE FAILED" in out and "trivial responses" in out
