@@ -40,6 +40,14 @@ def _train_args():
     ]
     if t.get("compile"):
         args.append("--compile")
+    # checkpoints are not an output: on S3 storage (Kubernetes, no shared disk) mirror them, so a job that
+    # restarts on another machine resumes instead of starting over
+    mirror = t.get("checkpoint_mirror") or ""
+    prefix = str(getattr(workflow.storage_settings, "default_storage_prefix", None) or "")
+    if not mirror and prefix.startswith("s3://"):
+        mirror = f"{prefix.rstrip('/')}/{R}/train/checkpoints"
+    if mirror:
+        args.append(f"--checkpoint-mirror {mirror}")
     return " ".join(args)
 
 

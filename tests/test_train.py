@@ -123,3 +123,44 @@ def test_ddp_two_processes_gloo(tiny_target, token_shards, tmp_path):
     assert (tmp_path / "out" / "drafter.safetensors").exists()
     steps = [json.loads(ln)["step"] for ln in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 3]  # logged once (rank 0), with counts summed over both ranks
+
+
+def test_checkpoints_mirrored_to_s3_resume_on_a_new_machine(tiny_target, token_shards, tmp_path, monkeypatch):
+    """A job killed on one node resumes on another from the S3 mirror and ends bit-identical."""
+    import socket
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    moto.start()
+    try:
+        env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+               "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"])
+        s3.create_bucket(Bucket="ckpt")
+        mirror = ["--checkpoint-mirror", "s3://ckpt/run/train/checkpoints"]
+        ref = tmp_path / "ref"
+        assert run_in_process(*_train_args(tiny_target, token_shards, ref / "out", ref / "ckpt")) == 0
+        first = _train_args(tiny_target, token_shards, tmp_path / "a" / "out", tmp_path / "a" / "ckpt")
+        proc = run_cli(*first, *mirror, "--debug-kill-at-step", "5", check=False, env={**os.environ, **env})
+        assert proc.returncode == -9, proc.stderr[-2000:]
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket="ckpt", Prefix="run/")["Contents"]]
+        assert keys == ["run/train/checkpoints/step-00000003.pt"]
+        # another machine: empty local checkpoint directory, same mirror
+        second = _train_args(tiny_target, token_shards, tmp_path / "b" / "out", tmp_path / "b" / "ckpt")
+        assert run_in_process(*second, *mirror) == 0
+        summary = json.loads((tmp_path / "b" / "out" / "summary.json").read_text())
+        assert summary["resumed_from_step"] == 3
+        a = load_file(str(ref / "out" / "drafter.safetensors"))
+        b = load_file(str(tmp_path / "b" / "out" / "drafter.safetensors"))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="ckpt", Prefix="run/")["Contents"])
+        assert keys == ["run/train/checkpoints/step-00000006.pt", "run/train/checkpoints/step-00000007.pt"]
+    finally:
+        moto.stop()

@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=500)
     p.add_argument("--keep-checkpoints", type=int, default=2)
+    p.add_argument("--checkpoint-mirror", default="",
+                   help="s3://bucket/prefix: upload checkpoints there and resume from there on a new machine")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--labels", choices=["data", "target"], default="data",
                    help="data: the sequence's own next tokens (the recipe); target (online only): the target's "
@@ -281,6 +283,14 @@ def _run(args) -> int:
     metrics_path = ckpt_dir / "metrics.jsonl"
     fp = _fingerprint(args, dcfg, total_steps, global_batch, len(source))
     start_step = 0
+    mirror = None
+    if args.checkpoint_mirror:
+        from dflash_pipeline.checkpoint_mirror import CheckpointMirror
+
+        mirror = CheckpointMirror(args.checkpoint_mirror, args.keep_checkpoints)
+        if latest_checkpoint(ckpt_dir) is None:  # a new machine: bring the newest checkpoint back
+            mirror.fetch_latest(ckpt_dir)
+        dist_.barrier()
     last = latest_checkpoint(ckpt_dir)
     if last is not None:
         state = torch.load(last, map_location="cpu", weights_only=True)
@@ -416,11 +426,15 @@ def _run(args) -> int:
             t_log = time.perf_counter()
         if done % args.checkpoint_every == 0 or done == total_steps:
             if dist_.main:
-                _save_checkpoint(ckpt_dir, done, drafter, opt, sched, fp, dev, args.keep_checkpoints)
+                saved = _save_checkpoint(ckpt_dir, done, drafter, opt, sched, fp, dev, args.keep_checkpoints)
+                if mirror is not None:
+                    mirror.upload(saved)
             dist_.barrier()
         if args.debug_kill_at_step and done == args.debug_kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # tests: a hard kill, nothing flushed or cleaned up
 
+    if mirror is not None:
+        mirror.wait()  # the last checkpoint is on S3 before the job reports success
     if dist_.main:
         wall = time.perf_counter() - t_start
         with storage.atomic_dir(args.out) as tmp:
@@ -457,7 +471,7 @@ class _DDPCall:
         return self.ddp(*a, **kw)
 
 
-def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, sched, fp: dict, dev, keep: int) -> None:
+def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, sched, fp: dict, dev, keep: int) -> Path:
     path = ckpt_dir / f"step-{step:08d}.pt"
     state = {
         "model": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
@@ -468,6 +482,7 @@ def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, sched, fp: dict, d
     for old in sorted(ckpt_dir.glob("step-*.pt"))[:-max(1, keep)]:
         old.unlink(missing_ok=True)
     log.info("checkpoint %s", path)
+    return path
 
 
 def summarize(records: list[dict], dcfg, args, total_steps: int, n_samples: int, wall: float, start_step: int) -> dict:
