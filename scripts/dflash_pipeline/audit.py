@@ -166,7 +166,12 @@ def _plots(report: dict) -> list[tuple[str, str]]:
         fig.tight_layout()
         return fig
 
-    figs.append(("Loss-mask sum per sample (supervised tokens)", hist(ps["loss_tokens"], "Supervised tokens per sample", "tokens")))
+    fig = hist(ps["loss_tokens"], "Supervised tokens per sample", "tokens")
+    trivial = report["settings"].get("trivial_tokens")
+    if trivial is not None:  # where trivial answers pile up (a bare `OK.` turn sits at or left of the line)
+        fig.axes[0].axvline(trivial + 0.5, color="#b3261e", linestyle="--", label=f"trivial (<= {trivial})")
+        fig.axes[0].legend()
+    figs.append(("Loss-mask sum per sample (supervised tokens)", fig))
     figs.append(("Response length per assistant turn", hist(ps["response_tokens"], "Response tokens per assistant turn", "tokens")))
     figs.append(("Turns per conversation", hist(ps["turns"], "Messages per conversation", "messages")))
     figs.append(("Sequence length", hist(ps["length"], "Tokens per sample (after truncation)", "tokens")))
