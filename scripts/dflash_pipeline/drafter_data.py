@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,6 +30,20 @@ import torch.nn.functional as F
 
 from dflash_pipeline.drafter_model import DFlashDrafter, TargetHead, decay_weights
 from dflash_pipeline.errors import PipelineError
+
+
+def keeps_torch_threads(fn):
+    """A stage's CPU thread setting is its own, not its caller's (tests run stages in-process): restore it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        threads = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    return wrapper
 
 SHUFFLE_GROUP_SHARDS = 4  # samples are shuffled within groups of this many shards (locality for readers)
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline import storage
+from dflash_pipeline.drafter_data import keeps_torch_threads
 from dflash_pipeline.errors import PipelineError
 
 log = logging.getLogger("dflash_pipeline.evaluate")
@@ -195,14 +196,6 @@ def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_
             "wall_seconds": round(wall, 2)}
 
 
-def run_evaluate(args) -> int:
-    threads = torch.get_num_threads()  # the CPU thread setting is the stage's own, not its caller's
-    try:
-        return _run_evaluate(args)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _run_evaluate(args) -> int:
     from transformers import AutoModelForCausalLM
 
@@ -290,3 +283,6 @@ def run_evaluate_gate(args) -> int:
         fh.write(f"tau trained {tr:.3f} vs untrained {un:.3f}; lossless\n")
     print(f"evaluation gate passed: tau trained {tr:.3f} vs untrained {un:.3f}")
     return 0
+
+
+run_evaluate = keeps_torch_threads(_run_evaluate)

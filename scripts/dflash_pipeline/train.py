@@ -33,6 +33,7 @@ from queue import Queue
 import torch
 
 from dflash_pipeline import storage
+from dflash_pipeline.drafter_data import keeps_torch_threads
 from dflash_pipeline.errors import PipelineError
 
 log = logging.getLogger("dflash_pipeline.train")
@@ -203,14 +204,6 @@ class Prefetcher:
         if exc is not None:
             raise exc
         return key, value
-
-
-def run(args) -> int:
-    threads = torch.get_num_threads()  # the CPU thread setting is the stage's own, not its caller's
-    try:
-        return _run(args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(args) -> int:
@@ -533,3 +526,6 @@ def plot_metrics(records: list[dict], path: Path) -> None:
     with storage.atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, format="png", dpi=90)
     plt.close(fig)
+
+
+run = keeps_torch_threads(_run)
