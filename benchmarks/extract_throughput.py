@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from dflash_pipeline.extract import LayerCapture, extract_shard
+from dflash_pipeline.hidden_states.extract import LayerCapture, extract_shard
 
 SPECFORGE_TOK_S = 27_000
 

@@ -43,7 +43,7 @@ async def bare_loop(url: str, messages: list[list[dict]], concurrency: int) -> f
 
 
 def client_run(url: str, shard: Path, out: Path, concurrency: int) -> float:
-    from dflash_pipeline import generate
+    from dflash_pipeline.generation import stage as generate
 
     parser = argparse.ArgumentParser()
     generate.add_arguments(parser)

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import zstandard
 
-from dflash_pipeline import hidden_states_format as hsf
-from dflash_pipeline.extract import LayerCapture, load_target
+from dflash_pipeline.hidden_states import shard_format as hsf
+from dflash_pipeline.hidden_states.extract import LayerCapture, load_target
 
 
 def capture(args):

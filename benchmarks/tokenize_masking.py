@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from dflash_pipeline.chat_masking import ChatMasker  # noqa: E402
-from dflash_pipeline.demo_data import make_conversation  # noqa: E402
+from dflash_pipeline.data.chat_masking import ChatMasker  # noqa: E402
+from dflash_pipeline.demo.data import make_conversation  # noqa: E402
 
 PARAGRAPHS = [
     "To solve this, first write down what is known and what is asked. Then pick the simplest method that works, "
@@ -83,7 +83,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from dflash_pipeline.qwen_vocab import qwen36_tokenizer
+    from dflash_pipeline.demo.qwen_vocab import qwen36_tokenizer
 
     tiny_dir = args.tiny_model
     if tiny_dir is None:

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from dflash_pipeline.drafter_data import Batch, block_loss
-from dflash_pipeline.drafter_model import DFlashDrafter, DrafterConfig, TargetHead
+from dflash_pipeline.drafter.data import Batch, block_loss
+from dflash_pipeline.drafter.model import DFlashDrafter, DrafterConfig, TargetHead
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
@@ -168,7 +168,7 @@ def run_variant(variant, cfg, head, args, dev, gen, mm):
         flops = sum(model_flops(cfg, bt) for bt in batches) / len(batches)
 
         if online:  # the target's forward every step replaces the stored features (8B: 2 * 7.57e9 FLOP/token)
-            from dflash_pipeline.drafter_data import target_features
+            from dflash_pipeline.drafter.data import target_features
 
             flops += 2 * 7.57e9 * args.batch * args.seq
 

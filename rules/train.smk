@@ -2,7 +2,7 @@
 # layout SGLang and vLLM load. Offline mode reads the extracted hidden-state shards; online mode reads the
 # token shards and runs the target beside the drafter (no hidden states on disk).
 
-from dflash_pipeline.launch_torchrun import train_resources
+from dflash_pipeline.cluster.launch_torchrun import train_resources
 
 TRAIN = config["train"]
 DRAFTER = config["drafter"]

@@ -15,8 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_pipeline.conversations import SAMPLE_SCHEMA, sample_id
-from dflash_pipeline.demo_data import make_conversation
+from dflash_pipeline.data.conversations import SAMPLE_SCHEMA, sample_id
+from dflash_pipeline.demo.data import make_conversation
 
 SERVER = Path(__file__).with_name("sglang_test_server.py")
 

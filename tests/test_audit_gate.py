@@ -14,12 +14,12 @@ import pytest
 import yaml
 
 from conftest import REPO, run_cli
-from dflash_pipeline.audit import build_report, write_html
-from dflash_pipeline.demo_data import write_demo
-from dflash_pipeline.ingest import ingest_file
-from dflash_pipeline.manifest import build_manifest, write_shard
+from dflash_pipeline.data.audit import build_report, write_html
+from dflash_pipeline.demo.data import write_demo
+from dflash_pipeline.data.ingest import ingest_file
+from dflash_pipeline.data.manifest import build_manifest, write_shard
 from dflash_pipeline.storage import write_json
-from dflash_pipeline.tokenize_shard import tokenize_shard
+from dflash_pipeline.data.tokenize import tokenize_shard
 
 
 def prepare(tmp: Path, tiny_target: Path, placeholder_rate: float, mode: str, records: int = 90):

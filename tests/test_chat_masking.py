@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_pipeline.chat_masking import ChatMasker
+from dflash_pipeline.data.chat_masking import ChatMasker
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_pipeline.drafter_data import (
+from dflash_pipeline.drafter.data import (
     block_loss, collate, dense_block_mask, epoch_order, is_holdout, sample_anchors, target_features,
 )
-from dflash_pipeline.drafter_model import (
+from dflash_pipeline.drafter.model import (
     ContextCache, DFlashDrafter, DrafterConfig, decay_weights, load_target_head, read_target_config,
     resolve_mask_token_id,
 )

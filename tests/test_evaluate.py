@@ -11,8 +11,8 @@ from torch import nn
 
 from dflash_pipeline import storage
 from dflash_pipeline.cli import main as cli_main
-from dflash_pipeline.drafter_model import DFlashDrafter, DrafterConfig, load_target_head, read_target_config
-from dflash_pipeline.evaluate import greedy_generate, speculative_generate
+from dflash_pipeline.drafter.model import DFlashDrafter, DrafterConfig, load_target_head, read_target_config
+from dflash_pipeline.drafter.evaluate import greedy_generate, speculative_generate
 
 
 class OracleDrafter(nn.Module):
@@ -73,7 +73,7 @@ def test_speculative_decoding_accepts_and_is_lossless(setup, pattern):
 
 def test_untrained_drafter_is_lossless_and_fails_the_gate(tiny_target, setup, tmp_path, capsys):
     """An exported untrained drafter: decoding stays lossless, tau ~ 1, and the evaluation gate fails."""
-    from dflash_pipeline.drafter_data import write_greedy_token_shard
+    from dflash_pipeline.drafter.data import write_greedy_token_shard
 
     target, head, _ = setup
     tokens = tmp_path / "tok-00000.parquet"

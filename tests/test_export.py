@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 
 from dflash_pipeline import storage
 from dflash_pipeline.cli import main as cli_main
-from dflash_pipeline.drafter_model import DFlashDrafter, DrafterConfig, load_target_head, read_target_config
-from dflash_pipeline.export import load_exported
+from dflash_pipeline.drafter.model import DFlashDrafter, DrafterConfig, load_target_head, read_target_config
+from dflash_pipeline.drafter.export import load_exported
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import torch
 
 from conftest import BIN
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.extract import LayerCapture, extract_shard, load_target, token_budget_batches
-from dflash_pipeline.hidden_states_format import HiddenStateShardReader
+from dflash_pipeline.hidden_states.extract import LayerCapture, extract_shard, load_target, token_budget_batches
+from dflash_pipeline.hidden_states.shard_format import HiddenStateShardReader
 
 
 def _token_shard(path, n=12, vocab=1000, seed=0):

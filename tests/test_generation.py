@@ -244,7 +244,7 @@ def test_kill9_at_random_points_then_rerun_exactly_one_row_each(tmp_path, tiny_t
 def test_journal_torn_tail_and_s3_mirror(tmp_path, monkeypatch):
     from moto.server import ThreadedMotoServer
 
-    from dflash_pipeline.generation_journal import Journal
+    from dflash_pipeline.generation.journal import Journal
 
     port = free_port()
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port)

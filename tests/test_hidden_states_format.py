@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_pipeline import hidden_states_format as hsf
-from dflash_pipeline.hidden_states_format import (
+from dflash_pipeline.hidden_states import shard_format as hsf
+from dflash_pipeline.hidden_states.shard_format import (
     HiddenStateShardReader,
     HiddenStateShardWriter,
     ShardFormatError,

@@ -13,8 +13,8 @@ import zstandard
 
 from conftest import run_cli
 from dflash_pipeline.errors import CorruptInputError
-from dflash_pipeline.ingest import ReadResult, ingest_file, iter_raw_records
-from dflash_pipeline.manifest import build_manifest, write_shard
+from dflash_pipeline.data.ingest import ReadResult, ingest_file, iter_raw_records
+from dflash_pipeline.data.manifest import build_manifest, write_shard
 
 
 def conv(i: int, answer: str = "Fine.") -> dict:

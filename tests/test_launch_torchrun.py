@@ -8,7 +8,7 @@ import sys
 
 from conftest import BIN, run_cli
 
-from dflash_pipeline.launch_torchrun import build_command, expand_hostlist
+from dflash_pipeline.cluster.launch_torchrun import build_command, expand_hostlist
 
 CMD = ["/venv/bin/dflash-pipeline", "train", "--out", "ckpt"]
 
@@ -77,7 +77,7 @@ def test_real_two_worker_rendezvous(tmp_path):
 
 
 def test_train_resources_one_and_many_nodes():
-    from dflash_pipeline.launch_torchrun import train_resources
+    from dflash_pipeline.cluster.launch_torchrun import train_resources
 
     assert train_resources(1, 8) == {"gpu": 8, "nodes": 1}
     # several nodes: a per-node GRES (not --gpus, a total), one launcher task per node, run in the batch step

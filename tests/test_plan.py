@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from conftest import run_cli
-from dflash_pipeline.plan import make_plan, render
+from dflash_pipeline.planning.plan import make_plan, render
 
 SHAPE_27B = {"hidden_size": 5120, "num_layers": 64, "active_params": 25e9, "model_type": "qwen3_5"}
 IDS_27B = [1, 16, 31, 46, 61]

@@ -23,7 +23,7 @@ def run_in_process(*args) -> int:
 
 @pytest.fixture(scope="module")
 def token_shards(tiny_target, tmp_path_factory) -> list[Path]:
-    from dflash_pipeline.drafter_data import write_greedy_token_shard
+    from dflash_pipeline.drafter.data import write_greedy_token_shard
 
     out = tmp_path_factory.mktemp("tokens")
     paths = []
@@ -78,8 +78,8 @@ def test_offline_training_from_hidden_state_shards_matches_online(tiny_target, t
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.drafter_data import target_features
-    from dflash_pipeline.hidden_states_format import write_shard
+    from dflash_pipeline.drafter.data import target_features
+    from dflash_pipeline.hidden_states.shard_format import write_shard
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
     from dflash_pipeline.target_layers import default_target_layer_ids

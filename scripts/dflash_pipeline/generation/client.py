@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
 
-from dflash_pipeline.conversations import SAMPLE_SCHEMA
+from dflash_pipeline.data.conversations import SAMPLE_SCHEMA
 from dflash_pipeline.errors import PipelineError
 
 LOG = logging.getLogger(__name__)

@@ -33,10 +33,10 @@ from queue import Queue
 import torch
 
 from dflash_pipeline import storage
-from dflash_pipeline.drafter_data import keeps_torch_threads
+from dflash_pipeline.drafter.data import keeps_torch_threads
 from dflash_pipeline.errors import PipelineError
 
-log = logging.getLogger("dflash_pipeline.train")
+log = logging.getLogger("dflash_pipeline.drafter.train")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,7 +165,7 @@ def _fingerprint(args, drafter_cfg, total_steps: int, global_batch: int, n_sampl
 
 def _batches(source, order, positions, args, epoch, dist_, micro_batches):
     """(micro-batch index, samples, anchors) for this rank's part of one optimizer step, prefetched in a thread."""
-    from dflash_pipeline.drafter_data import derived_seed, sample_anchors
+    from dflash_pipeline.drafter.data import derived_seed, sample_anchors
 
     def build(m):
         mine = positions[dist_.rank::dist_.world]
@@ -209,11 +209,11 @@ class Prefetcher:
 def _run(args) -> int:
     from safetensors.torch import save_file
 
-    from dflash_pipeline.drafter_data import (
+    from dflash_pipeline.drafter.data import (
         HiddenSource, TokenSource, block_loss, collate, epoch_order, target_features,
         target_features_and_predictions,
     )
-    from dflash_pipeline.drafter_model import (
+    from dflash_pipeline.drafter.model import (
         DFlashDrafter, DrafterConfig, count_parameters, load_target_head, make_readable, read_target_config,
         resolve_mask_token_id,
     )
@@ -278,7 +278,7 @@ def _run(args) -> int:
     start_step = 0
     mirror = None
     if args.checkpoint_mirror:
-        from dflash_pipeline.checkpoint_mirror import CheckpointMirror
+        from dflash_pipeline.drafter.checkpoint_mirror import CheckpointMirror
 
         mirror = CheckpointMirror(args.checkpoint_mirror, args.keep_checkpoints)
         if latest_checkpoint(ckpt_dir) is None:  # a new machine: bring the newest checkpoint back

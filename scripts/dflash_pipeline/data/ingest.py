@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from dflash_pipeline.conversations import SAMPLE_SCHEMA, RecordRejected, normalize_record, sample_id
+from dflash_pipeline.data.conversations import SAMPLE_SCHEMA, RecordRejected, normalize_record, sample_id
 from dflash_pipeline.errors import CorruptInputError, PipelineError
 from dflash_pipeline.storage import atomic_open, atomic_path, open_binary, write_json
 

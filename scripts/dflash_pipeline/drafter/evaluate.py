@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline import storage
-from dflash_pipeline.drafter_data import keeps_torch_threads
+from dflash_pipeline.drafter.data import keeps_torch_threads
 from dflash_pipeline.errors import PipelineError
 
-log = logging.getLogger("dflash_pipeline.evaluate")
+log = logging.getLogger("dflash_pipeline.drafter.evaluate")
 
 
 def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,7 +83,7 @@ def greedy_generate(target, prompt: list[int], max_new: int, stop_ids: set[int],
 def speculative_generate(target, drafter, head, prompt: list[int], max_new: int, stop_ids: set[int],
                          device) -> tuple[list[int], list[int]]:
     """Greedy speculative decoding; returns (generated tokens, accepted drafts per target forward)."""
-    from dflash_pipeline.drafter_model import ContextCache
+    from dflash_pipeline.drafter.model import ContextCache
 
     cfg = drafter.config
     bs, ids = cfg.block_size, cfg.target_layer_ids
@@ -128,7 +128,7 @@ def _crop(past, keep: int) -> None:
 
 
 def held_out_prompts(paths: list[str], fraction: float, n: int) -> list[dict]:
-    from dflash_pipeline.drafter_data import TokenSource
+    from dflash_pipeline.drafter.data import TokenSource
 
     src = TokenSource(paths, holdout_fraction=fraction, keep="holdout")
     samples = [src.get(i) for i in range(len(src))]
@@ -199,8 +199,8 @@ def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_
 def _run_evaluate(args) -> int:
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.drafter_model import DFlashDrafter, load_target_head
-    from dflash_pipeline.export import load_exported
+    from dflash_pipeline.drafter.model import DFlashDrafter, load_target_head
+    from dflash_pipeline.drafter.export import load_exported
 
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -23,7 +23,7 @@ import torch
 from dflash_pipeline import storage
 from dflash_pipeline.errors import PipelineError
 
-log = logging.getLogger("dflash_pipeline.export")
+log = logging.getLogger("dflash_pipeline.drafter.export")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _DROP_KEYS = {"architectures", "auto_map", "quantization_config", "layer_types", "text_config", "vision_config",
@@ -73,7 +73,7 @@ def engine_config(target_config: dict, dcfg, dtype: str) -> dict:
 
 def config_from_engine(cfg: dict):
     """DrafterConfig from an exported config.json (ours or any DFlash checkpoint of the same layout)."""
-    from dflash_pipeline.drafter_model import DrafterConfig
+    from dflash_pipeline.drafter.model import DrafterConfig
 
     dc = cfg.get("dflash_config") or {}
     ids = dc.get("target_layer_ids")
@@ -90,7 +90,7 @@ def load_exported(path: str | Path, device="cpu", dtype: torch.dtype = torch.flo
     """An exported drafter as a DFlashDrafter (what an engine loads, read back for evaluation and tests)."""
     from safetensors.torch import load_file
 
-    from dflash_pipeline.drafter_model import DFlashDrafter
+    from dflash_pipeline.drafter.model import DFlashDrafter
 
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
@@ -109,7 +109,7 @@ def load_exported(path: str | Path, device="cpu", dtype: torch.dtype = torch.flo
 def run(args) -> int:
     from safetensors.torch import load_file, save_file
 
-    from dflash_pipeline.drafter_model import DrafterConfig, make_readable, read_target_config
+    from dflash_pipeline.drafter.model import DrafterConfig, make_readable, read_target_config
 
     drafter_dir = Path(args.drafter)
     dcfg = DrafterConfig.from_dict(json.loads((drafter_dir / "drafter_config.json").read_text()))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_pipeline import hidden_states_format as hsf
+from dflash_pipeline.hidden_states import shard_format as hsf
 from dflash_pipeline import storage
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.target_layers import resolve_target_layer_ids, validate_target_layer_ids

@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dflash_pipeline.conversations import SAMPLE_SCHEMA
+from dflash_pipeline.data.conversations import SAMPLE_SCHEMA
 from dflash_pipeline.storage import atomic_path, read_json, write_json
 
 DUPLICATE_EXAMPLES = 200

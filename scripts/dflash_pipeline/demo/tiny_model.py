@@ -79,7 +79,7 @@ def pretrain(model, tokenizer, steps: int, seed: int, seq_len: int = 128, batch:
 
     import torch
 
-    from dflash_pipeline.demo_data import make_conversation
+    from dflash_pipeline.demo.data import make_conversation
 
     rng = random.Random(seed)
     ids: list[int] = []
@@ -122,7 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from dflash_pipeline.demo_data import corpus_texts
+    from dflash_pipeline.demo.data import corpus_texts
     from dflash_pipeline.storage import atomic_dir
 
     tokenizer = build_tokenizer(corpus_texts(), args.vocab_size)

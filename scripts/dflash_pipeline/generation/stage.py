@@ -29,12 +29,12 @@ import pyarrow.parquet as pq
 
 from dflash_pipeline import storage
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.generation_client import (
+from dflash_pipeline.generation.client import (
     COMPLETION_SCHEMA, Counters, FatalError, HTTPEngine, Policy, SamplingParams, generate_sample,
 )
-from dflash_pipeline.generation_journal import Journal
+from dflash_pipeline.generation.journal import Journal
 
-LOG = logging.getLogger("dflash_pipeline.generate")
+LOG = logging.getLogger("dflash_pipeline.generation.stage")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -312,7 +312,7 @@ async def run_shards(jobs: list[ShardJob], engine, args, progress_interval: floa
 
 def _engine(args, urls: list[str] | None = None):
     if args.backend == "hf":
-        from dflash_pipeline.generation_backends import HFEngine
+        from dflash_pipeline.generation.backends import HFEngine
 
         if not args.model:
             raise PipelineError("--backend hf needs --model")
@@ -369,7 +369,7 @@ def run(args) -> int:
     previous = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         if args.backend == "sglang":
-            from dflash_pipeline.generation_backends import launched_servers, sglang_command
+            from dflash_pipeline.generation.backends import launched_servers, sglang_command
 
             if not args.model:
                 raise PipelineError("--backend sglang needs --model")

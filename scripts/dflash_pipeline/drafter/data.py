@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash_pipeline.drafter_model import DFlashDrafter, TargetHead, decay_weights
+from dflash_pipeline.drafter.model import DFlashDrafter, TargetHead, decay_weights
 from dflash_pipeline.errors import PipelineError
 
 
@@ -119,7 +119,7 @@ class HiddenSource:
 
     def __init__(self, paths: list[str], target_layer_ids: list[int], holdout_fraction: float = 0.0,
                  max_length: int | None = None):
-        from dflash_pipeline.hidden_states_format import HiddenStateShardReader
+        from dflash_pipeline.hidden_states.shard_format import HiddenStateShardReader
 
         self.paths = [str(p) for p in paths]
         self.max_length = max_length
