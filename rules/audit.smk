@@ -26,8 +26,8 @@ rule audit:
     conda:
         ENV_CPU
     shell:
-        "{PKG} audit --audits {input.audits} --manifest {input.manifest} --thresholds {params.thresholds:q} "
-        "--mode {params.mode} --dataset {wildcards.dataset} --out {output.report} --html {output.html} > {log} 2>&1"
+        "{PKG} audit --audits {input.audits:q} --manifest {input.manifest:q} --thresholds {params.thresholds:q} "
+        "--mode {params.mode} --dataset {wildcards.dataset} --out {output.report:q} --html {output.html:q} > {log:q} 2>&1"
 
 
 rule gate:
@@ -39,7 +39,7 @@ rule gate:
         log("gate/{dataset}"),
     shell:
         # the reason goes to the terminal as well as the log: this is what the user must read
-        "{PKG} gate --report {input} --out {output} 2>&1 | tee {log}; exit ${{PIPESTATUS[0]}}"
+        "{PKG} gate --report {input:q} --out {output:q} 2>&1 | tee {log:q}; exit ${{PIPESTATUS[0]}}"
 
 
 add_final_target(lambda: [os.path.join(R, "audit/source/gate.ok")])

@@ -2,6 +2,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 
@@ -16,6 +17,7 @@ R = config["results"]
 PKG = "dflash-pipeline"
 if shutil.which(PKG) is None and os.path.exists(os.path.join(os.path.dirname(sys.executable), PKG)):
     PKG = os.path.join(os.path.dirname(sys.executable), PKG)
+PKG = shlex.quote(PKG)  # a venv under a path with spaces
 DATASETS = ["source", "regenerated"]
 ENV_CPU = "../envs/cpu.yaml"
 ENV_GPU = "../envs/gpu.yaml"

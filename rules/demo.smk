@@ -13,8 +13,8 @@ if config["demo"]["enabled"]:
         conda:
             ENV_CPU
         shell:
-            "{PKG} demo-data --out $(dirname {output[0]}) --records {params.records} "
-            "--placeholder-rate {params.placeholder_rate} > {log} 2>&1"
+            "{PKG} demo-data --out \"$(dirname {output[0]:q})\" --records {params.records} "
+            "--placeholder-rate {params.placeholder_rate} > {log:q} 2>&1"
 
     rule tiny_target:
         output:
@@ -28,4 +28,4 @@ if config["demo"]["enabled"]:
         conda:
             ENV_CPU
         shell:
-            "{PKG} tiny-model --out $(dirname {output[0]}) --pretrain-steps {params.pretrain_steps} > {log} 2>&1"
+            "{PKG} tiny-model --out \"$(dirname {output[0]:q})\" --pretrain-steps {params.pretrain_steps} > {log:q} 2>&1"

@@ -31,10 +31,10 @@ rule evaluate:
         ENV_GPU
     shell:
         "{PKG} with-gpus --n {params.gpus} -- "
-        "{PKG} evaluate --drafter {input.drafter} --model {params.model} --tokens {input.tokens} "
+        "{PKG} evaluate --drafter {input.drafter:q} --model {params.model:q} --tokens {input.tokens:q} "
         "--holdout-fraction {params.holdout} --num-prompts {params.prompts} --max-new-tokens {params.max_new} "
-        "--min-tau-gain {params.gain} --tie-tolerance {params.tie} --out {output.report} --plot {output.plot} "
-        "> {log} 2>&1"
+        "--min-tau-gain {params.gain} --tie-tolerance {params.tie} --out {output.report:q} --plot {output.plot:q} "
+        "> {log:q} 2>&1"
 
 
 rule evaluate_gate:
@@ -45,7 +45,7 @@ rule evaluate_gate:
     log:
         log("evaluate_gate"),
     shell:
-        "{PKG} evaluate-gate --report {input} --out {output} 2>&1 | tee {log}; exit ${{PIPESTATUS[0]}}"
+        "{PKG} evaluate-gate --report {input:q} --out {output:q} 2>&1 | tee {log:q}; exit ${{PIPESTATUS[0]}}"
 
 
 add_final_target(

@@ -27,8 +27,8 @@ rule plan:
         ENV_CPU
     shell:
         # printed to the terminal as well: this is what the user must read before the GPUs start
-        "{PKG} plan --tokens {input.tokens} --model {params.model} --config {params.config:q} "
-        "--hidden-stats {params.stats:q} --out {output.text} --json {output.json} 2>&1 | tee {log}; "
+        "{PKG} plan --tokens {input.tokens:q} --model {params.model:q} --config {params.config:q} "
+        "--hidden-stats {params.stats:q} --out {output.text:q} --json {output.json:q} 2>&1 | tee {log:q}; "
         "exit ${{PIPESTATUS[0]}}"
 
 
@@ -66,11 +66,11 @@ rule extract:
         ENV_GPU
     shell:
         # a killed job leaves {output.hidden}.partial + .journal behind: the rerun resumes from them
-        "{PKG} with-gpus --n {resources.gpu} -- {PKG} extract --tokens {input.tokens} --model {params.model} --out {output.hidden} "
-        "--stats {output.stats} --drafter-config {params.drafter:q} --codec {params.codec} --level {params.level} "
+        "{PKG} with-gpus --n {resources.gpu} -- {PKG} extract --tokens {input.tokens:q} --model {params.model:q} --out {output.hidden:q} "
+        "--stats {output.stats:q} --drafter-config {params.drafter:q} --codec {params.codec} --level {params.level} "
         "--dtype {params.dtype} --device {params.device} --compile {params.compile} "
         "--token-budget {params.token_budget} --flush-tokens {params.flush_tokens} "
-        "--encode-threads {params.threads} --attn-implementation {params.attn} {params.trust} > {log} 2>&1"
+        "--encode-threads {params.threads} --attn-implementation {params.attn} {params.trust} > {log:q} 2>&1"
 
 
 add_final_target(lambda: [os.path.join(R, "plan.txt")])

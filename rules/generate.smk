@@ -7,7 +7,6 @@
 # servers once and keeps them saturated across shard boundaries; a cheap rule then copies each shard's file out.
 # With backend `servers` the servers are long-lived (started outside the workflow) and cost nothing per job.
 
-import shlex
 
 GEN = config["generate"]
 GEN_HF = GEN.get("hf") or {}
@@ -69,7 +68,7 @@ def _generate_flags():
     prefix = getattr(workflow.storage_settings, "default_storage_prefix", None) or ""
     if not mirror and str(prefix).startswith("s3://"):
         mirror = f"{str(prefix).rstrip('/')}/{R}/completions/journal"  # outputs on S3: journals follow them
-    flags.append(_opt("--journal-mirror", mirror))
+    flags.append(_opt("--journal-mirror", shlex.quote(mirror) if mirror else ""))
     return " ".join(f for f in flags if f)
 
 
@@ -112,8 +111,8 @@ if GEN["enabled"] and GEN["shards_per_job"] == 1:
         conda:
             GEN_ENV
         shell:
-            "{PKG} with-gpus --n {resources.gpu} -- {PKG} generate --input {input.shard} --out {output.completions} --model {params.model} "
-            "--journal-dir {params.journal} --server-log-dir {params.server_logs} {params.flags} > {log} 2>&1"
+            "{PKG} with-gpus --n {resources.gpu} -- {PKG} generate --input {input.shard:q} --out {output.completions:q} --model {params.model:q} "
+            "--journal-dir {params.journal:q} --server-log-dir {params.server_logs:q} {params.flags} > {log:q} 2>&1"
 
 elif GEN["enabled"]:
 
@@ -141,8 +140,8 @@ elif GEN["enabled"]:
         conda:
             GEN_ENV
         shell:
-            "{PKG} with-gpus --n {resources.gpu} -- {PKG} generate --input {input.shards} --out {params.outs} --model {params.model} "
-            "--journal-dir {params.journal} --server-log-dir {params.server_logs} {params.flags} > {log} 2>&1"
+            "{PKG} with-gpus --n {resources.gpu} -- {PKG} generate --input {input.shards:q} --out {params.outs:q} --model {params.model:q} "
+            "--journal-dir {params.journal:q} --server-log-dir {params.server_logs:q} {params.flags} > {log:q} 2>&1"
 
     rule completions_from_group:
         input:
@@ -153,5 +152,5 @@ elif GEN["enabled"]:
         log:
             log("generate/{shard}.copy"),
         shell:
-            "(cp {input}/{wildcards.shard}.parquet {output.completions} && "
-            "cp {input}/{wildcards.shard}.summary.json {output.summary}) > {log} 2>&1"
+            "(cp {input:q}/{wildcards.shard}.parquet {output.completions:q} && "
+            "cp {input:q}/{wildcards.shard}.summary.json {output.summary:q}) > {log:q} 2>&1"

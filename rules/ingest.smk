@@ -20,9 +20,9 @@ rule ingest:
     conda:
         ENV_CPU
     shell:
-        "{PKG} ingest --input {input} --name {params.name:q} --out {output.records} --stats {output.stats} "
-        "--quarantine {output.quarantine} --on-corrupt {params.on_corrupt} "
-        "--max-record-bytes {params.max_record_bytes} > {log} 2>&1"
+        "{PKG} ingest --input {input:q} --name {params.name:q} --out {output.records:q} --stats {output.stats:q} "
+        "--quarantine {output.quarantine:q} --on-corrupt {params.on_corrupt} "
+        "--max-record-bytes {params.max_record_bytes} > {log:q} 2>&1"
 
 
 checkpoint manifest:
@@ -38,8 +38,8 @@ checkpoint manifest:
     conda:
         ENV_CPU
     shell:
-        "{PKG} manifest --records {input.records} --stats {input.stats} --shard-size {params.shard_size} "
-        "--out {output.manifest} > {log} 2>&1"
+        "{PKG} manifest --records {input.records:q} --stats {input.stats:q} --shard-size {params.shard_size} "
+        "--out {output.manifest:q} > {log:q} 2>&1"
 
 
 def _shard_entry(wildcards):
@@ -59,4 +59,4 @@ rule shard:
     conda:
         ENV_CPU
     shell:
-        "{PKG} shard --records {input.records} --spec {params.spec:q} --out {output} > {log} 2>&1"
+        "{PKG} shard --records {input.records:q} --spec {params.spec:q} --out {output:q} > {log:q} 2>&1"

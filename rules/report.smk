@@ -37,9 +37,9 @@ rule run_report:
     conda:
         ENV_CPU
     shell:
-        "{PKG} report-figures --generation {params.generation} --extraction {params.extraction} "
-        "--train {params.train} --evaluate {params.evaluate} --benchmarks {params.benchmarks} "
-        "--out-dir {params.out_dir} > {log} 2>&1"
+        "{PKG} report-figures --generation {params.generation:q} --extraction {params.extraction:q} "
+        "--train {params.train:q} --evaluate {params.evaluate:q} --benchmarks {params.benchmarks:q} "
+        "--out-dir {params.out_dir:q} > {log:q} 2>&1"
 
 
 add_final_target(lambda: [os.path.join(R, "report/summary.html")])

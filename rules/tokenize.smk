@@ -27,6 +27,6 @@ rule tokenize:
     conda:
         ENV_CPU
     shell:
-        "{PKG} tokenize --input {input.conversations} --model {params.model} --out {output.tokens} "
-        "--audit {output.audit} --max-length {params.max_length} {params.thinking} "
-        "--batch-size {params.batch_size} --trivial-tokens {params.trivial} > {log} 2>&1"
+        "{PKG} tokenize --input {input.conversations:q} --model {params.model:q} --out {output.tokens:q} "
+        "--audit {output.audit:q} --max-length {params.max_length} {params.thinking} "
+        "--batch-size {params.batch_size} --trivial-tokens {params.trivial} > {log:q} 2>&1"

@@ -47,7 +47,7 @@ def _train_args():
     if not mirror and prefix.startswith("s3://"):
         mirror = f"{prefix.rstrip('/')}/{R}/train/checkpoints"
     if mirror:
-        args.append(f"--checkpoint-mirror {mirror}")
+        args.append(f"--checkpoint-mirror {shlex.quote(mirror)}")
     return " ".join(args)
 
 
@@ -79,8 +79,8 @@ rule train:
     shell:
         "{PKG} with-gpus --n {params.gpus} -- "
         "{PKG} launch-torchrun --nproc-per-node {params.nproc} --nnodes {params.nodes} -- "
-        "{PKG} train --mode {params.mode} --inputs {params.data} --model {params.model} --out {output} "
-        "--checkpoint-dir {params.checkpoints} {params.drafter} {params.train} > {log} 2>&1"
+        "{PKG} train --mode {params.mode} --inputs {params.data:q} --model {params.model:q} --out {output:q} "
+        "--checkpoint-dir {params.checkpoints:q} {params.drafter} {params.train} > {log:q} 2>&1"
 
 
 rule export:
@@ -97,8 +97,8 @@ rule export:
     conda:
         ENV_CPU
     shell:
-        "{PKG} export --drafter {input.drafter} --model {params.model} --out {output} --dtype {params.dtype} "
-        "> {log} 2>&1"
+        "{PKG} export --drafter {input.drafter:q} --model {params.model:q} --out {output:q} --dtype {params.dtype} "
+        "> {log:q} 2>&1"
 
 
 add_final_target(lambda: [os.path.join(R, "drafter")])

@@ -1,0 +1,54 @@
+"""The real Snakefile with hostile paths: a raw file name that is a shell injection, spaces in the results
+directory, the input directory and the model directory; and a misspelled config key that must be an error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from workflow_runs import make_workdir, snakemake
+
+HOSTILE = "x$(touch PWNED) `touch PWNED2`; y.jsonl"
+
+
+@pytest.mark.slow
+def test_hostile_file_names_reach_the_gate_unharmed(tmp_path, tiny_target, demo_raw):
+    work = make_workdir(tmp_path / "run dir")
+    raw = work / "raw data"
+    raw.mkdir()
+    # the demo's JSON array as JSONL, under a name that runs `touch` if a rule passes it to the shell unquoted
+    records = json.loads((demo_raw / "sharegpt_part1_cleaned_split.json").read_text())
+    (raw / HOSTILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    shutil.copytree(tiny_target, work / "my model")
+    cfg = {
+        "results": "my results",
+        "inputs": ["raw data/*.jsonl"],
+        "target": {"model_path": "my model"},
+        "demo": {"enabled": False},
+        "generate": {"enabled": False},
+    }
+    (work / "hostile.yaml").write_text(yaml.safe_dump(cfg))
+    proc = snakemake(work, "--cores", "2", "my results/audit/source/report.json", configfiles=("hostile.yaml",),
+                     check=False)
+    out = proc.stdout + proc.stderr
+    assert not list(tmp_path.rglob("PWNED*")), "a file name was executed by the shell"
+    assert proc.returncode == 0, out[-6000:]
+    report = json.loads((work / "my results/audit/source/report.json").read_text())
+    files = report["ingest"]["files"]
+    assert len(files) == 1
+    f = files[0]
+    assert f["records_read"] == len(records) == f["kept"] + f["quarantined"] + f["duplicates"]
+    assert f["kept"] > 0
+
+
+def test_misspelled_config_keys_are_errors(tmp_path):
+    work = make_workdir(tmp_path / "w")
+    for bad, key in (({"trian": {"epochs": 1}}, "trian"), ({"target": {"model_path": "m", "trust_remote": True}},
+                                                            "trust_remote"), ({"demo": {"record": 5}}, "record")):
+        (work / "bad.yaml").write_text(yaml.safe_dump(bad))
+        proc = snakemake(work, "-n", configfiles=("tiny.yaml", "bad.yaml"), check=False)
+        assert proc.returncode != 0
+        assert f"'{key}' was unexpected" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
