@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+S3_BUCKET = "dflash-test"
+S3_KEY, S3_SECRET = "test-access-key", "test-secret-key"
 
 
 def run_cli(*args: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
@@ -49,3 +53,34 @@ def _no_hub(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", os.environ.get("TOKENIZERS_PARALLELISM", "true"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's server mode) on 127.0.0.1 with one bucket: (url, boto3 client)."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=url, aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET,
+                          region_name="us-east-1")
+    for _ in range(100):
+        try:
+            client.create_bucket(Bucket=S3_BUCKET)
+            break
+        except Exception:  # not listening yet
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("moto server did not start")
+    yield url, client
+    proc.terminate()
+    proc.wait(timeout=10)

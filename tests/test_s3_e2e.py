@@ -4,50 +4,16 @@ made again alone."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-
 import pytest
 
+from conftest import S3_BUCKET as BUCKET
+from conftest import S3_KEY as KEY
+from conftest import S3_SECRET as SECRET
 from workflow_runs import make_workdir, planned, planned_outputs, snakemake, workflow_env
 
 pytestmark = pytest.mark.slow
 
-BUCKET = "dflash-test"
 PREFIX = "run1"
-KEY, SECRET = "test-access-key", "test-secret-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=url, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
-                          region_name="us-east-1")
-    for _ in range(100):
-        try:
-            client.create_bucket(Bucket=BUCKET)
-            break
-        except Exception:  # not listening yet
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("moto server did not start")
-    yield url, client
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 def _objects(client) -> dict[str, object]:

@@ -11,6 +11,7 @@ import importlib
 import logging
 import sys
 
+from dflash_pipeline import storage
 from dflash_pipeline.errors import PipelineError
 
 STAGES = {
@@ -59,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        # an S3 failure deep inside a stage (mirror, ranged read): one line, not a botocore traceback
+        if not storage.is_botocore_error(exc):
+            raise
+        print(f"error: S3 request failed: {storage.redact_credentials(exc)}", file=sys.stderr)
         return 2
 
 

@@ -10,9 +10,37 @@ import contextlib
 import io
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
+
+from dflash_pipeline.errors import PipelineError
+
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s:]+(:[^/@\s]*)?@")
+
+
+def redact_credentials(text: str) -> str:
+    """Every `scheme://user:secret@host` in `text` becomes `scheme://***@host` (for logs and stored reasons)."""
+    return _URL_CREDENTIALS.sub(r"\g<scheme>***@", str(text))
+
+
+def s3_error(uri: str, exc: BaseException) -> PipelineError:
+    """One line naming the URI and the cause instead of a botocore traceback. botocore's messages carry no
+    secret keys; endpoint URLs in them are redacted anyway."""
+    code = getattr(exc, "response", {}).get("Error", {}).get("Code") if hasattr(exc, "response") else None
+    cause = {"NoSuchBucket": "the bucket does not exist", "NoSuchKey": "no such object",
+             "404": "no such object", "403": "access denied (check the credentials and the bucket policy)",
+             "AccessDenied": "access denied (check the credentials and the bucket policy)",
+             "InvalidAccessKeyId": "the access key is not known to the server",
+             "SignatureDoesNotMatch": "the secret key does not match the access key"}.get(str(code))
+    detail = redact_credentials(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return PipelineError(f"{uri}: S3 request failed: {cause + ' (' + detail + ')' if cause else detail}")
+
+
+def is_botocore_error(exc: BaseException) -> bool:
+    mod = type(exc).__module__ or ""
+    return mod.startswith(("botocore", "boto3", "s3transfer"))
 
 
 def is_s3(uri: str) -> bool:
@@ -44,7 +72,12 @@ def open_binary(uri: str) -> IO[bytes]:
     """A readable binary stream over a local file or an S3 object (streamed, not downloaded first)."""
     if is_s3(uri):
         bucket, key = split_s3(uri)
-        body = s3_client().get_object(Bucket=bucket, Key=key)["Body"]
+        try:
+            body = s3_client().get_object(Bucket=bucket, Key=key)["Body"]
+        except Exception as exc:  # noqa: BLE001 - botocore's errors become one line naming the object
+            if is_botocore_error(exc):
+                raise s3_error(uri, exc) from exc
+            raise
         return io.BufferedReader(_RawStream(body), buffer_size=1 << 20)
     return open(uri, "rb")
 
