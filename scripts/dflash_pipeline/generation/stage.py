@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     io_.add_argument("--no-retry-failed", dest="retry_failed", action="store_false",
                      help="on a rerun, do not retry samples that failed for a transient reason")
     io_.add_argument("--progress-interval", type=float, default=10.0, help="seconds between progress lines")
+    io_.add_argument("--calibration", help="the calibration's JSON (`dflash-pipeline calibrate`): progress lines and "
+                     "summaries compare the live rate with it")
 
     be = p.add_argument_group("backend")
     be.add_argument("--backend", choices=["hf", "sglang", "servers"], required=True)
@@ -215,12 +217,21 @@ def _fmt_eta(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, jobs: list[ShardJob], engine):
+    def __init__(self, jobs: list[ShardJob], engine, calibration_tok_s: float | None = None):
         self.jobs = jobs
         self.engine = engine
         self.total = sum(len(j.rows) for j in jobs)
         self.todo = sum(len(j.todo) for j in jobs)
         self.t0 = time.monotonic()
+        self.calibration_tok_s = calibration_tok_s
+
+    def versus_calibration(self) -> dict:
+        """The live output rate (server start-up excluded, as in the calibration) against the calibration's."""
+        if not self.calibration_tok_s:
+            return {}
+        live = sum(j.counters.completion_tokens for j in self.jobs) / max(time.monotonic() - self.t0, 1e-9)
+        return {"calibration": {"output_tok_s": self.calibration_tok_s, "live_output_tok_s": round(live, 1),
+                                "ratio": round(live / self.calibration_tok_s, 3)}}
 
     def line(self) -> str:
         done_now = self.todo - sum(j.remaining for j in self.jobs)
@@ -235,16 +246,34 @@ class Progress:
         return (f"generate: {done}/{self.total} samples ({100 * done / max(self.total, 1):.1f}%) | "
                 f"{c.completion_tokens / wall:,.0f} tok/s | {rate:.2f} samples/s | in flight {self.engine.in_flight} | "
                 f"failed {c.failed} | length {c.length} | empty {c.empty} | retries {c.retries} | "
-                f"ETA {_fmt_eta(eta) if done_now < self.todo else '0m00s'} | {self.engine.describe()}")
+                f"ETA {_fmt_eta(eta) if done_now < self.todo else '0m00s'} | {self.engine.describe()}"
+                + (f" | running at {self.versus_calibration()['calibration']['ratio']:.2f}x of calibration"
+                   if self.calibration_tok_s else ""))
 
 
-async def run_shards(jobs: list[ShardJob], engine, args, progress_interval: float) -> list[dict]:
+def calibration_rate(path: str | None) -> float | None:
+    """The output tok/s a calibration measured (None without one)."""
+    if not path:
+        return None
+    try:
+        return float(storage.read_json(path)["throughput"]["output_tok_s"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PipelineError(f"{path}: not a calibration result ({type(exc).__name__}: {exc})") from None
+
+
+def request_settings(args) -> tuple[SamplingParams, Policy]:
+    """The sampling parameters and client policy of these flags (`calibrate` sends exactly what `generate` does)."""
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, enable_thinking=args.enable_thinking, seed=args.seed)
     policy = Policy(turns=args.turns, on_length=args.on_length,
                     length_retry_max_new_tokens=args.length_retry_max_new_tokens, max_retries=args.max_retries,
                     backoff_base_s=args.backoff_base, backoff_max_s=args.backoff_max,
                     empty_retries=args.empty_retries)
+    return params, policy
+
+
+async def run_shards(jobs: list[ShardJob], engine, args, progress_interval: float) -> list[dict]:
+    params, policy = request_settings(args)
     model = args.model_name or engine.model_name
     sampling_json = params.to_json(turns=policy.turns, on_length=policy.on_length,
                                    length_retry_max_new_tokens=policy.length_retry_max_new_tokens, api=args.api)
@@ -259,7 +288,7 @@ async def run_shards(jobs: list[ShardJob], engine, args, progress_interval: floa
             summaries.append(await asyncio.to_thread(job.finalize, meta))
         for row in job.todo:
             queue.put_nowait((job, row))
-    progress = Progress(jobs, engine)
+    progress = Progress(jobs, engine, calibration_rate(getattr(args, "calibration", None)))
     LOG.info("%d shards, %d samples, %d to generate with %s (%d requests in flight at most)", len(jobs),
              progress.total, progress.todo, engine.describe(), engine.capacity)
 
@@ -278,7 +307,7 @@ async def run_shards(jobs: list[ShardJob], engine, args, progress_interval: floa
                                  f"{rec['failure_reason']!r}: check the configuration (a rerun retries them)")
             job.remaining -= 1
             if job.remaining == 0:
-                summaries.append(await asyncio.to_thread(job.finalize, meta))
+                summaries.append(await asyncio.to_thread(job.finalize, {**meta, **progress.versus_calibration()}))
 
     async def reporter() -> None:
         while True:
@@ -335,6 +364,11 @@ def _engine(args, urls: list[str] | None = None):
                       revive_after_s=args.revive_after)
 
 
+def make_engine(args, urls: list[str] | None = None):
+    """The engine these flags configure (hf in-process, or HTTP to `urls` / --servers); not started yet."""
+    return _engine(args, urls)
+
+
 async def _amain(jobs, args, urls) -> list[dict]:
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
@@ -350,6 +384,28 @@ async def _amain(jobs, args, urls) -> list[dict]:
 
 def _terminate(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through `finally`, so launched servers are stopped
+
+
+@contextlib.contextmanager
+def serving(args):
+    """The server URLs of these flags: sglang servers launched for the block (always stopped after it), or
+    None (hf in-process; --servers are used as given). Call with SIGTERM/SIGINT turned into exceptions."""
+    if args.backend != "sglang":
+        yield None
+        return
+    from dflash_pipeline.generation.backends import launched_servers, sglang_command
+
+    if not args.model:
+        raise PipelineError("--backend sglang needs --model")
+    cfg = json.loads(args.sglang_json)
+    devices = args.devices or os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d for d in devices.split(",") if d.strip()] if devices else None
+    command = sglang_command(args.model, cfg, trust_remote_code=args.trust_remote_code)
+    with launched_servers(command, instances=int(cfg.get("instances") or 1), devices=devices,
+                          log_dir=args.server_log_dir, startup_timeout_s=float(cfg.get("startup_timeout_s")
+                                                                               or 1800)) as urls:
+        args.max_in_flight = int(cfg.get("max_in_flight") or args.max_in_flight)
+        yield urls
 
 
 def run(args) -> int:
@@ -368,22 +424,8 @@ def run(args) -> int:
         jobs.append(ShardJob(inp, out, jdir / f"{name}.jsonl", f"{mirror.rstrip('/')}/{name}" if mirror else None))
     previous = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        if args.backend == "sglang":
-            from dflash_pipeline.generation.backends import launched_servers, sglang_command
-
-            if not args.model:
-                raise PipelineError("--backend sglang needs --model")
-            cfg = json.loads(args.sglang_json)
-            devices = args.devices or os.environ.get("CUDA_VISIBLE_DEVICES")
-            devices = [d for d in devices.split(",") if d.strip()] if devices else None
-            command = sglang_command(args.model, cfg, trust_remote_code=args.trust_remote_code)
-            with launched_servers(command, instances=int(cfg.get("instances") or 1), devices=devices,
-                                  log_dir=args.server_log_dir, startup_timeout_s=float(cfg.get("startup_timeout_s")
-                                                                                       or 1800)) as urls:
-                args.max_in_flight = int(cfg.get("max_in_flight") or args.max_in_flight)
-                summaries = asyncio.run(_amain(jobs, args, urls))
-        else:
-            summaries = asyncio.run(_amain(jobs, args, None))
+        with serving(args) as urls:
+            summaries = asyncio.run(_amain(jobs, args, urls))
     except asyncio.CancelledError:
         LOG.error("generation interrupted; the journal keeps every finished sample, rerun to continue")
         return 130
