@@ -1,57 +1,149 @@
 """One command, one sub-command per stage: `dflash-pipeline STAGE --help`.
 
-Stage modules are imported lazily so that `dflash-pipeline ingest` does not pay for importing torch.
-Each stage module exposes `add_arguments(parser)` and `run(args) -> int | None`.
+Stage modules are imported lazily so that `dflash-pipeline ingest` does not pay for importing torch. Every
+stage is named here with the module and the two functions that make it: one adds its arguments to a parser,
+one runs it with the parsed arguments and returns an exit code (or None for 0).
+
+Settings: the workflow hands a stage its config section as one JSON object (`--settings '{...}'`): keys are the
+stage's long options with underscores; an unknown key is an error. Defaults for keys the config schema knows
+come from the schema (config/schema.yaml), so one file states them; an explicit option on the command line wins
+over both.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 from dflash_pipeline import storage
 from dflash_pipeline.errors import PipelineError
 
+SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+
+
+@dataclass(frozen=True)
+class Stage:
+    module: str
+    add_arguments: str
+    run: str
+    help: str
+    section: str | None = None  # the config section whose schema defaults the stage takes
+
+
 STAGES = {
-    "demo-data": ("dflash_pipeline.demo.data", "write the bundled demo conversations"),
-    "tiny-model": ("dflash_pipeline.demo.tiny_model", "build a tiny random Qwen3 target with a real tokenizer"),
-    "ingest": ("dflash_pipeline.data.ingest", "normalize one raw ShareGPT file into per-file records + quarantine"),
-    "manifest": ("dflash_pipeline.data.manifest", "deduplicate across files and assign shards"),
-    "shard": ("dflash_pipeline.data.manifest", "write one ingested shard"),
-    "tokenize": ("dflash_pipeline.data.tokenize", "chat-template a shard into tokens + assistant loss mask"),
-    "audit": ("dflash_pipeline.data.audit", "aggregate per-shard audits into a report (JSON + HTML)"),
-    "gate": ("dflash_pipeline.data.audit", "pass or fail the data-quality gate from an audit report"),
-    "generate": ("dflash_pipeline.generation.stage", "regenerate responses with the target (sglang / servers / hf)"),
-    "extract": ("dflash_pipeline.hidden_states.extract", "extract target hidden states into a shard file"),
-    "plan": ("dflash_pipeline.planning.plan", "print samples, tokens, bytes and GPU hours before the GPU starts"),
-    "hidden-verify": ("dflash_pipeline.hidden_states.shard_format", "check hidden-state shards (footer, index, every checksum)"),
-    "train": ("dflash_pipeline.drafter.train", "train the DFlash drafter"),
-    "export": ("dflash_pipeline.drafter.export", "export an engine-loadable drafter checkpoint"),
-    "evaluate": ("dflash_pipeline.drafter.evaluate", "acceptance length of the drafter against the target"),
-    "evaluate-gate": ("dflash_pipeline.drafter.evaluate", "fail unless the trained drafter clearly beats an untrained one"),
-    "with-gpus": ("dflash_pipeline.cluster.gpu_slots", "run a command on N distinct free GPUs (sets CUDA_VISIBLE_DEVICES)"),
-    "launch-torchrun": ("dflash_pipeline.cluster.launch_torchrun", "launch a command under torchrun (multi-node inside SLURM)"),
-    "report-figures": ("dflash_pipeline.report.figures", "figures and tables for `snakemake --report`"),
+    "demo-data": Stage("dflash_pipeline.demo.data", "add_arguments", "run", "write the bundled demo conversations"),
+    "tiny-model": Stage("dflash_pipeline.demo.tiny_model", "add_arguments", "run",
+                        "build a tiny random Qwen3 target with a real tokenizer"),
+    "ingest": Stage("dflash_pipeline.data.ingest", "add_arguments", "run",
+                    "normalize one raw ShareGPT file into per-file records + quarantine", "ingest"),
+    "manifest": Stage("dflash_pipeline.data.manifest", "add_manifest_arguments", "run_manifest",
+                      "deduplicate across files and assign shards", "ingest"),
+    "shard": Stage("dflash_pipeline.data.manifest", "add_shard_arguments", "run_shard", "write one ingested shard"),
+    "tokenize": Stage("dflash_pipeline.data.tokenize", "add_arguments", "run",
+                      "chat-template a shard into tokens + assistant loss mask", "tokenize"),
+    "audit": Stage("dflash_pipeline.data.audit", "add_audit_arguments", "run_audit",
+                   "aggregate per-shard audits into a report (JSON + HTML)"),
+    "gate": Stage("dflash_pipeline.data.audit", "add_gate_arguments", "run_gate",
+                  "pass or fail the data-quality gate from an audit report"),
+    "generate": Stage("dflash_pipeline.generation.stage", "add_arguments", "run",
+                      "regenerate responses with the target (sglang / servers / hf)", "generate"),
+    "extract": Stage("dflash_pipeline.hidden_states.extract", "add_arguments", "run",
+                     "extract target hidden states into a shard file", "extract"),
+    "plan": Stage("dflash_pipeline.planning.plan", "add_arguments", "run",
+                  "print samples, tokens, bytes and GPU hours before the GPU starts"),
+    "hidden-verify": Stage("dflash_pipeline.hidden_states.shard_format", "add_arguments", "run",
+                           "check hidden-state shards (footer, index, every checksum)"),
+    "train": Stage("dflash_pipeline.drafter.train", "add_arguments", "run", "train the DFlash drafter", "train"),
+    "export": Stage("dflash_pipeline.drafter.export", "add_arguments", "run",
+                    "export an engine-loadable drafter checkpoint"),
+    "evaluate": Stage("dflash_pipeline.drafter.evaluate", "add_evaluate_arguments", "run_evaluate",
+                      "acceptance length of the drafter against the target", "evaluate"),
+    "evaluate-gate": Stage("dflash_pipeline.drafter.evaluate", "add_evaluate_gate_arguments", "run_evaluate_gate",
+                           "fail unless the trained drafter clearly beats an untrained one"),
+    "with-gpus": Stage("dflash_pipeline.cluster.gpu_slots", "add_arguments", "run",
+                       "run a command on N distinct free GPUs (sets CUDA_VISIBLE_DEVICES)"),
+    "launch-torchrun": Stage("dflash_pipeline.cluster.launch_torchrun", "add_arguments", "run",
+                             "launch a command under torchrun (multi-node inside SLURM)"),
+    "report-figures": Stage("dflash_pipeline.report.figures", "add_arguments", "run",
+                            "figures and tables for `snakemake --report`"),
 }
+
+
+def schema_defaults(section: str) -> dict:
+    """{key: default} of one config section as the schema states them ({} outside a source checkout)."""
+    if not SCHEMA.exists():
+        return {}
+    import yaml
+
+    props = (yaml.safe_load(SCHEMA.read_text()).get("properties", {}).get(section) or {}).get("properties", {})
+    return {k: v["default"] for k, v in props.items() if isinstance(v, dict) and "default" in v}
+
+
+def _option_dests(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "settings")}
+
+
+def apply_settings(parser: argparse.ArgumentParser, settings_json: str | None, section: str | None,
+                   stage: str) -> None:
+    """Schema defaults, then `--settings` values, become the parser's defaults (explicit options still win)."""
+    dests = _option_dests(parser)
+    defaults = {k: v for k, v in schema_defaults(section).items() if k in dests} if section else {}
+    if settings_json:
+        try:
+            settings = json.loads(settings_json)
+        except ValueError as exc:
+            raise PipelineError(f"{stage} --settings: not JSON ({exc})") from exc
+        if not isinstance(settings, dict):
+            raise PipelineError(f"{stage} --settings: expected a JSON object, got {type(settings).__name__}")
+        unknown = sorted(set(settings) - set(dests))
+        if unknown:
+            raise PipelineError(f"{stage} --settings: unknown key(s) {', '.join(map(repr, unknown))}; "
+                                f"known: {', '.join(sorted(dests))}")
+        defaults.update(settings)
+    for key, value in defaults.items():
+        action = dests[key]
+        if isinstance(value, str) and callable(action.type):
+            value = action.type(value)
+        if action.choices is not None and value is not None and value not in action.choices:
+            raise PipelineError(f"{stage}: setting {key}={value!r} is not one of {list(action.choices)}")
+        defaults[key] = value
+        action.required = False  # given by the settings or the schema
+    parser.set_defaults(**defaults)
+
+
+def build_parser(wanted: str | None, argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-pipeline", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    for name, stage in STAGES.items():
+        p = sub.add_parser(name, help=stage.help)
+        if name != wanted:
+            continue
+        module = importlib.import_module(stage.module)  # only the module that will run
+        getattr(module, stage.add_arguments)(p)
+        p.add_argument("--settings", default=None, metavar="JSON",
+                       help="the stage's settings as one JSON object (what the workflow passes)")
+        p.set_defaults(_run=getattr(module, stage.run))
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--settings", default=None)
+        known, _ = pre.parse_known_args(argv[argv.index(name) + 1:])
+        apply_settings(p, known.settings, stage.section, name)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="dflash-pipeline", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     wanted = next((a for a in argv if not a.startswith("-")), None)
-    for name, (module_name, help_text) in STAGES.items():
-        p = sub.add_parser(name, help=help_text)
-        if name == wanted:  # import only the module that will run
-            module = importlib.import_module(module_name)
-            adder = getattr(module, f"add_{name.replace('-', '_')}_arguments", None) or module.add_arguments
-            adder(p)
-            runner = getattr(module, f"run_{name.replace('-', '_')}", None) or module.run
-            p.set_defaults(_run=runner)
-    args = parser.parse_args(argv)
+    try:
+        args = build_parser(wanted, argv).parse_args(argv)
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
