@@ -119,6 +119,25 @@ def training_dataset():
     return "regenerated" if config["generate"]["enabled"] else "source"
 
 
+# Keys that size a job rather than change its output: kept out of the settings (and out of params), so that
+# moving a run to more GPUs or memory reruns nothing.
+RESOURCE_KEYS = frozenset({"gpus", "nodes", "mem_mb", "runtime_min"})
+
+
+def stage_settings(section, keys=None, drop=(), **extra):
+    """A config section as the one `--settings` JSON its stage takes, and the rule's one output-changing param:
+    `keys` picks keys (default: all but resources and `drop`), `extra` adds or renames."""
+    values = config[section] if section else {}
+    wanted = keys if keys is not None else [k for k in values if k not in RESOURCE_KEYS and k not in drop]
+    settings = {k: values[k] for k in wanted if k in values}
+    settings.update(extra)
+    return json.dumps(settings, sort_keys=True, default=str)
+
+
+# only stated when on, so that every stage that loads the target must understand it (an unknown setting is an error)
+TRUST = {"trust_remote_code": True} if config["target"].get("trust_remote_code") else {}
+
+
 def log(name):
     return os.path.join(R, "logs", name + ".log")
 

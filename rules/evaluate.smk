@@ -15,12 +15,7 @@ rule evaluate:
         plot=report(os.path.join(R, "evaluate/acceptance.png"), category="Evaluation"),
     params:
         model=lambda wc, input: target_model_dir(input.model),
-        holdout=EVAL["holdout_fraction"],
-        prompts=EVAL["num_prompts"],
-        max_new=EVAL["max_new_tokens"],
-        gain=EVAL["min_tau_gain"],
-        tie=EVAL["tie_tolerance"],
-        gpus=EVAL["gpus"],
+        settings=stage_settings("evaluate"),
     resources:
         gpu=EVAL["gpus"],
     log:
@@ -30,10 +25,9 @@ rule evaluate:
     conda:
         ENV_GPU
     shell:
-        "{PKG} with-gpus --n {params.gpus} -- "
+        "{PKG} with-gpus --n {resources.gpu} -- "
         "{PKG} evaluate --drafter {input.drafter:q} --model {params.model:q} --tokens {input.tokens:q} "
-        "--holdout-fraction {params.holdout} --num-prompts {params.prompts} --max-new-tokens {params.max_new} "
-        "--min-tau-gain {params.gain} --tie-tolerance {params.tie} --out {output.report:q} --plot {output.plot:q} "
+        "--settings {params.settings:q} --out {output.report:q} --plot {output.plot:q} "
         "> {log:q} 2>&1"
 
 

@@ -44,17 +44,8 @@ rule extract:
         stats=os.path.join(R, "hidden/{shard}.stats.json"),
     params:
         model=lambda wc, input: target_model_dir(input.model),
-        drafter=_drafter_layers_json(),
-        codec=EXTRACT["codec"],
-        level=EXTRACT["level"],
-        dtype=EXTRACT["dtype"],
-        device=EXTRACT["device"],
-        compile=str(EXTRACT["compile"]).lower(),
-        token_budget=EXTRACT["token_budget"],
-        flush_tokens=EXTRACT["flush_tokens"],
-        threads=EXTRACT["encode_threads"],
-        attn=EXTRACT["attn_implementation"],
-        trust="--trust-remote-code" if config["target"].get("trust_remote_code") else "",
+        settings=stage_settings("extract", drop=("assumed_tokens_per_s", "warn_bytes"),
+                                drafter_config=_drafter_layers_json(), **TRUST),
     resources:
         gpu=EXTRACT["gpus"],
     threads: EXTRACT["encode_threads"]
@@ -67,10 +58,7 @@ rule extract:
     shell:
         # a killed job leaves {output.hidden}.partial + .journal behind: the rerun resumes from them
         "{PKG} with-gpus --n {resources.gpu} -- {PKG} extract --tokens {input.tokens:q} --model {params.model:q} --out {output.hidden:q} "
-        "--stats {output.stats:q} --drafter-config {params.drafter:q} --codec {params.codec} --level {params.level} "
-        "--dtype {params.dtype} --device {params.device} --compile {params.compile} "
-        "--token-budget {params.token_budget} --flush-tokens {params.flush_tokens} "
-        "--encode-threads {params.threads} --attn-implementation {params.attn} {params.trust} > {log:q} 2>&1"
+        "--stats {output.stats:q} --settings {params.settings:q} > {log:q} 2>&1"
 
 
 add_final_target(lambda: [os.path.join(R, "plan.txt")])

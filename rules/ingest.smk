@@ -10,8 +10,7 @@ rule ingest:
         stats=os.path.join(R, "ingest/files/{src}.stats.json"),
         quarantine=os.path.join(R, "ingest/files/{src}.quarantine.jsonl"),
     params:
-        on_corrupt=config["ingest"]["on_corrupt"],
-        max_record_bytes=config["ingest"]["max_record_bytes"],
+        settings=stage_settings("ingest", keys=["on_corrupt", "max_record_bytes"]),
         name=lambda wc: RAW_INPUTS[wc.src],
     log:
         log("ingest/{src}"),
@@ -21,8 +20,7 @@ rule ingest:
         ENV_CPU
     shell:
         "{PKG} ingest --input {input:q} --name {params.name:q} --out {output.records:q} --stats {output.stats:q} "
-        "--quarantine {output.quarantine:q} --on-corrupt {params.on_corrupt} "
-        "--max-record-bytes {params.max_record_bytes} > {log:q} 2>&1"
+        "--quarantine {output.quarantine:q} --settings {params.settings:q} > {log:q} 2>&1"
 
 
 checkpoint manifest:
@@ -32,13 +30,13 @@ checkpoint manifest:
     output:
         manifest=os.path.join(R, "ingest/manifest.json"),
     params:
-        shard_size=config["ingest"]["shard_size"],
+        settings=stage_settings("ingest", keys=["shard_size"]),
     log:
         log("manifest"),
     conda:
         ENV_CPU
     shell:
-        "{PKG} manifest --records {input.records:q} --stats {input.stats:q} --shard-size {params.shard_size} "
+        "{PKG} manifest --records {input.records:q} --stats {input.stats:q} --settings {params.settings:q} "
         "--out {output.manifest:q} > {log:q} 2>&1"
 
 

@@ -16,10 +16,8 @@ rule tokenize:
         audit=os.path.join(R, "tokens/{dataset}/{shard}.audit.json"),
     params:
         model=lambda wc, input: target_model_dir(input.model),
-        max_length=config["tokenize"]["max_length"],
-        thinking="--enable-thinking" if config["tokenize"]["enable_thinking"] else "--no-enable-thinking",
-        batch_size=config["tokenize"]["batch_size"],
-        trivial=config["audit"]["trivial_response_tokens"],
+        settings=stage_settings("tokenize", trivial_tokens=config["audit"]["trivial_response_tokens"],
+                                **TRUST),
     log:
         log("tokenize/{dataset}/{shard}"),
     benchmark:
@@ -28,5 +26,4 @@ rule tokenize:
         ENV_CPU
     shell:
         "{PKG} tokenize --input {input.conversations:q} --model {params.model:q} --out {output.tokens:q} "
-        "--audit {output.audit:q} --max-length {params.max_length} {params.thinking} "
-        "--batch-size {params.batch_size} --trivial-tokens {params.trivial} > {log:q} 2>&1"
+        "--audit {output.audit:q} --settings {params.settings:q} > {log:q} 2>&1"

@@ -17,38 +17,23 @@ def _train_inputs(wildcards):
     ]
 
 
-def _drafter_args():
-    args = [f"--num-layers {DRAFTER['num_layers']}", f"--block-size {DRAFTER['block_size']}"]
+def _train_settings():
+    """train: (minus resources) + the drafter's shape + the evaluation holdout, as one JSON."""
+    drafter = {k: DRAFTER[k] for k in ("num_layers", "block_size", "mask_token_id") if DRAFTER.get(k) is not None}
     if DRAFTER.get("target_layer_ids"):
-        args.append("--target-layer-ids " + ",".join(str(i) for i in DRAFTER["target_layer_ids"]))
-    if DRAFTER.get("mask_token_id") is not None:
-        args.append(f"--mask-token-id {DRAFTER['mask_token_id']}")
-    return " ".join(args)
-
-
-def _train_args():
-    t = TRAIN
-    args = [
-        f"--num-anchors {t['num_anchors']}", f"--gamma {t['gamma']}", f"--max-length {t['max_length']}",
-        f"--batch-size {t['batch_size']}", f"--grad-accum {t['grad_accum']}", f"--epochs {t['epochs']}",
-        f"--max-steps {t['max_steps']}", f"--lr {t['lr']}", f"--warmup-ratio {t['warmup_ratio']}",
-        f"--weight-decay {t['weight_decay']}", f"--grad-clip {t['grad_clip']}", f"--seed {t['seed']}",
-        f"--checkpoint-every {t['checkpoint_every']}", f"--keep-checkpoints {t['keep_checkpoints']}",
-        f"--log-every {t['log_every']}", f"--holdout-fraction {config['evaluate']['holdout_fraction']}",
-        f"--attention {t['attention']}",
-        f"--labels {t['labels']}",
-    ]
-    if t.get("compile"):
-        args.append("--compile")
+        drafter["target_layer_ids"] = ",".join(str(i) for i in DRAFTER["target_layer_ids"])
     # checkpoints are not an output: on S3 storage (Kubernetes, no shared disk) mirror them, so a job that
     # restarts on another machine resumes instead of starting over
-    mirror = t.get("checkpoint_mirror") or ""
+    mirror = TRAIN.get("checkpoint_mirror") or ""
     prefix = str(getattr(workflow.storage_settings, "default_storage_prefix", None) or "")
     if not mirror and prefix.startswith("s3://"):
         mirror = f"{prefix.rstrip('/')}/{R}/train/checkpoints"
-    if mirror:
-        args.append(f"--checkpoint-mirror {shlex.quote(mirror)}")
-    return " ".join(args)
+    return stage_settings("train", drop=("checkpoint_mirror",), **drafter, checkpoint_mirror=mirror,
+                          holdout_fraction=config["evaluate"]["holdout_fraction"], **TRUST)
+
+
+# GPUs are resources, not params: a run moved to more GPUs or nodes resumes its checkpoints instead of rerunning
+TRAIN_GPUS, TRAIN_NPROC, TRAIN_NODES = TRAIN["gpus"], max(1, TRAIN["gpus"]), TRAIN["nodes"]
 
 
 rule train:
@@ -61,12 +46,7 @@ rule train:
         model=lambda wc, input: target_model_dir(input.model),
         data=lambda wc, input: [p for p in input.data if not str(p).endswith("gate.ok")],
         checkpoints=os.path.join(R, "train/checkpoints"),  # not an output: survives a failed job for resume
-        mode=TRAIN["mode"],
-        drafter=_drafter_args(),
-        train=_train_args(),
-        gpus=TRAIN["gpus"],
-        nproc=max(1, TRAIN["gpus"]),
-        nodes=TRAIN["nodes"],
+        settings=_train_settings(),
     resources:
         # one node: gpu=N; several (SLURM): a per-node GRES, one task per node, mpi (see launch_torchrun)
         **train_resources(TRAIN["nodes"], TRAIN["gpus"]),
@@ -77,10 +57,10 @@ rule train:
     conda:
         ENV_GPU
     shell:
-        "{PKG} with-gpus --n {params.gpus} -- "
-        "{PKG} launch-torchrun --nproc-per-node {params.nproc} --nnodes {params.nodes} -- "
-        "{PKG} train --mode {params.mode} --inputs {params.data:q} --model {params.model:q} --out {output:q} "
-        "--checkpoint-dir {params.checkpoints:q} {params.drafter} {params.train} > {log:q} 2>&1"
+        "{PKG} with-gpus --n {TRAIN_GPUS} -- "
+        "{PKG} launch-torchrun --nproc-per-node {TRAIN_NPROC} --nnodes {TRAIN_NODES} -- "
+        "{PKG} train --inputs {params.data:q} --model {params.model:q} --out {output:q} "
+        "--checkpoint-dir {params.checkpoints:q} --settings {params.settings:q} > {log:q} 2>&1"
 
 
 rule export:
@@ -91,13 +71,13 @@ rule export:
         directory(os.path.join(R, "drafter")),
     params:
         model=lambda wc, input: target_model_dir(input.model),
-        dtype=DRAFTER["export_dtype"],
+        settings=stage_settings(None, dtype=DRAFTER["export_dtype"], **TRUST),
     log:
         log("export"),
     conda:
         ENV_CPU
     shell:
-        "{PKG} export --drafter {input.drafter:q} --model {params.model:q} --out {output:q} --dtype {params.dtype} "
+        "{PKG} export --drafter {input.drafter:q} --model {params.model:q} --out {output:q} --settings {params.settings:q} "
         "> {log:q} 2>&1"
 
 

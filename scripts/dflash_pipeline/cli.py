@@ -52,10 +52,16 @@ STAGES = {
                   "pass or fail the data-quality gate from an audit report"),
     "generate": Stage("dflash_pipeline.generation.stage", "add_arguments", "run",
                       "regenerate responses with the target (sglang / servers / hf)", "generate"),
+    "calibrate-sample": Stage("dflash_pipeline.planning.calibration_sample", "add_arguments", "run",
+                              "draw the calibration's prompts (stratified by prompt length and shard)"),
+    "calibrate": Stage("dflash_pipeline.generation.calibrate", "add_arguments", "run",
+                       "measure the generation rate on a sample, run exactly as `generate` runs", "generate"),
     "extract": Stage("dflash_pipeline.hidden_states.extract", "add_arguments", "run",
                      "extract target hidden states into a shard file", "extract"),
     "plan": Stage("dflash_pipeline.planning.plan", "add_arguments", "run",
                   "print samples, tokens, bytes and GPU hours before the GPU starts"),
+    "generation-gate": Stage("dflash_pipeline.planning.plan", "add_generation_gate_arguments", "run_generation_gate",
+                             "stop before the full generation when its projected wall time or GPU hours exceed the limits"),
     "hidden-verify": Stage("dflash_pipeline.hidden_states.shard_format", "add_arguments", "run",
                            "check hidden-state shards (footer, index, every checksum)"),
     "train": Stage("dflash_pipeline.drafter.train", "add_arguments", "run", "train the DFlash drafter", "train"),
@@ -107,6 +113,8 @@ def apply_settings(parser: argparse.ArgumentParser, settings_json: str | None, s
         defaults.update(settings)
     for key, value in defaults.items():
         action = dests[key]
+        if isinstance(value, bool) and action.choices is not None and "true" in action.choices:
+            value = str(value).lower()  # YAML true/false for an option spelled auto|true|false
         if isinstance(value, str) and callable(action.type):
             value = action.type(value)
         if action.choices is not None and value is not None and value not in action.choices:
