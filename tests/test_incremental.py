@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN
-from workflow_runs import changed, make_workdir, planned, snakemake, snapshot, workflow_env
+from workflow_runs import changed, make_workdir, planned, planned_outputs, snakemake, snapshot, workflow_env
 
 pytestmark = pytest.mark.slow
 
@@ -155,6 +155,19 @@ def test_param_change_reruns_that_stage_and_descendants_only(done_run):
                              configfiles=("tiny.yaml", "longer.yaml"))) == {}
 
 
+def test_resource_change_reruns_nothing(done_run):
+    """More GPUs, nodes or memory for a stage is a scheduling change: no finished job is redone (GPU sizes are
+    resources, not params). Only the cheap plan, whose projection depends on them, is redone."""
+    (done_run / "bigger.yaml").write_text(
+        "train:\n  gpus: 2\n  nodes: 1\nevaluate:\n  gpus: 1\nextract:\n  gpus: 1\ngenerate:\n  mem_mb: 64000\n")
+    plan = planned(snakemake(done_run, "-n", configfiles=("tiny.yaml", "bigger.yaml")))
+    assert set(plan) <= {"plan"}, plan
+    # while an output-changing setting of the same sections does rerun its stage
+    (done_run / "longer_train.yaml").write_text("train:\n  gpus: 2\n  epochs: 2\n")
+    plan = planned(snakemake(done_run, "-n", configfiles=("tiny.yaml", "longer_train.yaml")))
+    assert plan.get("train") == 1 and plan.get("export") == 1, plan
+
+
 def test_code_change_alone_does_not_rerun(done_run):
     """Editing a rule's command (a refactor, a comment) does not redo finished shards with the profile's
     triggers; Snakemake's default triggers (which include `code`) would."""
@@ -162,7 +175,7 @@ def test_code_change_alone_does_not_rerun(done_run):
     target = "results/audit/source/report.json"
     original = rule_file.read_text()
     try:
-        rule_file.write_text(original.replace('"--batch-size {params.batch_size}', '"--batch-size {params.batch_size} ', 1))
+        rule_file.write_text(original.replace("--settings {params.settings:q}", "--settings  {params.settings:q}", 1))
         assert original != rule_file.read_text()
         assert planned(snakemake(done_run, "-n", target)) == {}
         with_code = planned(snakemake(done_run, "-n", target, "--rerun-triggers", "mtime", "params", "input", "code"))
@@ -206,5 +219,11 @@ def test_changing_one_raw_file_redoes_only_its_chain(done_run):
 def test_regating_does_not_redo_other_shards_generation(done_run):
     """After one raw file changed (the test above), the source audit and gate are redone; generation takes the
     gate as an ancient() input, so only the changed shard is generated again (GPU hours, at scale)."""
-    plan = planned(snakemake(done_run, "-n"))
-    assert plan.get("generate", 0) <= 1, plan
+    src = "sharegpt_part1_cleaned_split"
+    proc = snakemake(done_run, "-n")
+    plan = planned(proc)
+    changed_shards = [s for s in _shards(done_run) if s.startswith(src + "-")]
+    assert len(changed_shards) < len(_shards(done_run))
+    assert "generate_group" not in plan and plan.get("generate") == len(changed_shards), plan
+    generated = {p for p in planned_outputs(proc) if "/completions/" in p and p.endswith(".parquet")}
+    assert generated == {f"results/completions/{s}.parquet" for s in changed_shards}, generated
