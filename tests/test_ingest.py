@@ -135,14 +135,108 @@ def test_cli_names_file_offset_and_count(tmp_path):
     assert not (tmp_path / "r.parquet").exists()  # nothing half-written left behind
 
 
-def test_corrupt_middle_of_array_is_detected(tmp_path):
+def test_garbage_inside_a_record_quarantines_it_between_records_stops(tmp_path):
     data = _array_bytes(20).decode()
     at = data.index('"r12"')
     path = tmp_path / "c.json"
     path.write_text(data[:at] + "@@garbage@@" + data[at:])
+    stats, rows, quarantine = ingest(path, tmp_path)  # brackets still balance: only record 12 is bad
+    assert (stats["records_read"], stats["kept"], stats["quarantined"]) == (20, 19, 1)
+    assert quarantine[0]["record_index"] == 12 and quarantine[0]["reason"].startswith("invalid JSON")
+    assert quarantine[0]["byte_offset"] == data.rindex("{", 0, at)
+
+    between = data.index(', {"id": "r12"')
+    path.write_text(data[:between] + " @@ " + data[between:])  # the container itself is broken
     with pytest.raises(CorruptInputError) as err:
         ingest(path, tmp_path)
-    assert err.value.records_read == 12 and "invalid JSON" in err.value.reason
+    assert err.value.records_read == 12 and err.value.offset == between + 1
+
+
+CHINESE = "这是一个很长的中文回答，用来检查字节偏移。"
+
+
+def hostile_records() -> list[tuple[str, bytes]]:
+    """(expected outcome, JSON bytes of one record): every way a single record can be bad, between good ones."""
+    good = lambda i: json.dumps(conv(i, CHINESE * 3), ensure_ascii=False).encode()  # noqa: E731
+    return [
+        ("kept", good(0)),
+        ("not valid Unicode", b'{"id": "s", "conversations": [{"from": "human", "value": "x\\ud800y"}]}'),
+        ("kept", good(1)),
+        ("invalid JSON", b'{"id": "big", "n": ' + b"7" * 5000 + b', "conversations": []}'),
+        ("invalid JSON", b"[" * 200_000 + b"]" * 200_000),
+        ("kept", good(2)),
+        ("invalid UTF-8", b'{"id": "u", "conversations": [{"from": "human", "value": "bad \xff\xfe bytes"}]}'),
+        ("not valid Unicode", b'{"id": "\\udfff", "conversations": [{"from": "human", "value": "fine"}]}'),
+        ("kept", good(3)),
+    ]
+
+
+@pytest.mark.parametrize("container", ["json", "jsonl", "jsonl.gz"])
+def test_hostile_records_are_quarantined_with_their_offset(tmp_path, container):
+    cases = hostile_records()
+    sep = b",\n" if container == "json" else b"\n"
+    data = (b"[" if container == "json" else b"") + sep.join(r for _, r in cases) + (b"]" if container == "json" else b"\n")
+    path = tmp_path / f"hostile.{container}"
+    path.write_bytes(gzip.compress(data) if container.endswith(".gz") else data)
+    stats, rows, quarantine = ingest(path, tmp_path)  # no salvage needed: no record stops the file
+    assert stats["damage"] is None
+    assert (stats["records_read"], stats["kept"], stats["quarantined"]) == (9, 4, 5)
+    assert [r["source_id"] for r in rows] == ["r0", "r1", "r2", "r3"]
+    assert rows[0]["messages"][1]["content"] == CHINESE * 3
+    bad = [(i, kind, rec) for i, (kind, rec) in enumerate(cases) if kind != "kept"]
+    assert [q["record_index"] for q in quarantine] == [i for i, _, _ in bad]
+    for q, (i, kind, rec) in zip(quarantine, bad):
+        assert kind in q["reason"], (kind, q["reason"])
+        assert q["byte_offset"] == data.index(rec), (i, q)
+        assert q["file"] == str(path)
+    assert "nested too deeply" in quarantine[2]["reason"] and "digits" in quarantine[1]["reason"]
+
+
+@pytest.mark.parametrize("container", ["json", "jsonl"])
+@pytest.mark.parametrize("limit", [300, 3 << 20])  # within one read, and across several 1 MiB reads
+def test_max_record_bytes_is_exact_and_skips_only_that_record(tmp_path, container, limit):
+    def record(i, size):
+        base = json.dumps(conv(i, ""))
+        return json.dumps(conv(i, "y" * (size - len(base)))).encode()
+    sizes = [limit - 50, limit, limit + 1, 3 * limit, limit - 1, 120]
+    records = [record(i, n) for i, n in enumerate(sizes)]
+    assert [len(r) for r in records] == sizes
+    sep = b"," if container == "json" else b"\n"
+    data = (b"[" if container == "json" else b"") + sep.join(records) + (b"]" if container == "json" else b"\n")
+    path = tmp_path / f"sizes.{container}"
+    path.write_bytes(data)
+    stats, rows, quarantine = ingest(path, tmp_path, max_record_bytes=limit)
+    assert [r["source_id"] for r in rows] == ["r0", "r1", "r4", "r5"]
+    assert [(q["record_index"], q["byte_offset"]) for q in quarantine] == [(2, data.index(records[2])),
+                                                                         (3, data.index(records[3]))]
+    assert all("over max_record_bytes" in q["reason"] and str(limit) in q["reason"] for q in quarantine)
+    assert len(quarantine[1]["record"]) <= 1000  # the skipped record is not copied whole
+    assert stats["quarantine_reasons"] == {"over max_record_bytes": 2}
+
+
+@pytest.mark.parametrize("kind", ["gz", "zst"])
+@pytest.mark.parametrize("n", [10, 6000])
+def test_salvage_keeps_every_record_before_garbage_appended(tmp_path, kind, n):
+    data = ("\n".join(json.dumps(conv(i)) for i in range(n)) + "\n").encode()
+    packed = gzip.compress(data) if kind == "gz" else zstandard.ZstdCompressor().compress(data)
+    path = tmp_path / f"g.jsonl.{kind}"
+    path.write_bytes(packed + b"this is not compressed data" * 10)
+    with pytest.raises(CorruptInputError) as err:
+        ingest(path, tmp_path)
+    assert err.value.records_read == n and err.value.offset == len(data)
+    assert f"compressed byte {len(packed)}" in err.value.reason
+    stats, rows, _ = ingest(path, tmp_path, on_corrupt="salvage")
+    assert stats["kept"] == n == len(rows) and stats["damage"]["byte_offset"] == len(data)
+
+
+def test_json_array_offsets_are_exact_for_multibyte_text(tmp_path):
+    records = [conv(i, CHINESE * (i % 7)) for i in range(300)]
+    records[250] = {"id": "late", "conversations": "not a list"}
+    data = json.dumps(records, ensure_ascii=False, indent=1).encode()
+    path = tmp_path / "zh.json"
+    path.write_bytes(data)
+    stats, rows, quarantine = ingest(path, tmp_path)
+    assert stats["kept"] == 299 and quarantine[0]["byte_offset"] == data.index(b'{\n  "id": "late"')
 
 
 def _peak_parse_memory(path: Path) -> tuple[int, int]:

@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
@@ -26,68 +28,98 @@ def _src_of(records_path: str) -> str:
     return Path(records_path).name.removesuffix(".parquet")
 
 
+def _read_ids(paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Every file's sample ids as one fixed-width bytes array (~24 bytes a record, not a Python set of
+    strings), and the start of each file in it."""
+    parts = [pq.read_table(p, columns=["sample_id"]).column("sample_id").to_numpy(zero_copy_only=False)
+             for p in paths]
+    starts = np.cumsum([0] + [len(x) for x in parts])
+    ids = np.concatenate(parts).astype(np.bytes_) if starts[-1] else np.zeros(0, dtype="S1")
+    return ids, starts
+
+
+def _first_occurrences(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(is_first[i], index of the first record with the same id as record i), in global order."""
+    if not len(ids):
+        return np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64)
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    first_of = first[inverse.reshape(-1)]
+    return first_of == np.arange(len(ids)), first_of
+
+
+def _cut_shards(src: str, is_first: np.ndarray, shard_size: int) -> list[dict]:
+    unique_rows = np.flatnonzero(is_first)
+    shards = []
+    for k, begin in enumerate(range(0, len(unique_rows), shard_size)):
+        members = unique_rows[begin:begin + shard_size]
+        lo, hi = int(members[0]), int(members[-1]) + 1
+        shards.append({"shard": f"{src}-{k:05d}", "src": src, "rows": [lo, hi],
+                       "drop": (np.flatnonzero(~is_first[lo:hi]) + lo).tolist(), "samples": len(members)})
+    return shards
+
+
+def _file_entry(src: str, st: dict, duplicates: int, kept: int, n_shards: int) -> dict:
+    entry = {"src": src, "file": st["file"], "records_read": st["records_read"], "quarantined": st["quarantined"],
+             "duplicates": duplicates, "kept": kept, "shards": n_shards,
+             "quarantine_reasons": st["quarantine_reasons"], "damage": st["damage"]}
+    if entry["records_read"] != kept + entry["quarantined"] + duplicates:  # exact accounting, per input file
+        raise RuntimeError(f"{st['file']}: accounting broken: {entry}")
+    return entry
+
+
 def build_manifest(records: list[str], stats: list[str], shard_size: int) -> dict:
     stats_by_src = {Path(s).name.removesuffix(".stats.json"): read_json(s) for s in stats}
-    seen: dict[str, tuple[str, int]] = {}
-    files, shards, examples = [], [], []
-    totals = dict(records_read=0, quarantined=0, duplicates=0, samples=0)
-    for path in sorted(records, key=_src_of):
-        src = _src_of(path)
-        st = stats_by_src[src]
-        ids = pq.read_table(path, columns=["sample_id"]).column("sample_id").to_pylist()
-        duplicate_rows = []
-        for row, sid in enumerate(ids):
-            if sid in seen:
-                duplicate_rows.append(row)
-                if len(examples) < DUPLICATE_EXAMPLES:
-                    first_src, first_row = seen[sid]
-                    examples.append({"sample_id": sid, "file": st["file"], "row": row,
-                                     "first_file": stats_by_src[first_src]["file"], "first_row": first_row})
-            else:
-                seen[sid] = (src, row)
-        dup = set(duplicate_rows)
-        unique_rows = [r for r in range(len(ids)) if r not in dup]
-        n_shards = 0
-        for k, start in enumerate(range(0, len(unique_rows), shard_size)):
-            members = unique_rows[start:start + shard_size]
-            lo, hi = members[0], members[-1] + 1
-            shards.append({
-                "shard": f"{src}-{k:05d}",
-                "src": src,
-                "rows": [lo, hi],
-                "drop": [r for r in range(lo, hi) if r in dup],
-                "samples": len(members),
-            })
-            n_shards += 1
-        kept = len(unique_rows)
-        entry = {
-            "src": src,
-            "file": st["file"],
-            "records_read": st["records_read"],
-            "quarantined": st["quarantined"],
-            "duplicates": len(duplicate_rows),
-            "kept": kept,
-            "shards": n_shards,
-            "quarantine_reasons": st["quarantine_reasons"],
-            "damage": st["damage"],
-        }
-        # exact accounting, per input file
-        assert entry["records_read"] == kept + entry["quarantined"] + entry["duplicates"], entry
-        files.append(entry)
-        totals["records_read"] += st["records_read"]
-        totals["quarantined"] += st["quarantined"]
-        totals["duplicates"] += len(duplicate_rows)
-        totals["samples"] += kept
+    paths = sorted(records, key=_src_of)
+    srcs = [_src_of(p) for p in paths]
+    ids, starts = _read_ids(paths)
+    is_first, first_of = _first_occurrences(ids)
+    files, shards = [], []
+    for i, src in enumerate(srcs):
+        lo, hi = starts[i], starts[i + 1]
+        own = _cut_shards(src, is_first[lo:hi], shard_size)
+        kept = int(is_first[lo:hi].sum())
+        files.append(_file_entry(src, stats_by_src[src], int(hi - lo) - kept, kept, len(own)))
+        shards.extend(own)
+    totals = {k: sum(f[k] for f in files) for k in ("records_read", "quarantined", "duplicates")}
+    totals["samples"] = sum(f["kept"] for f in files)
     return {"shard_size": shard_size, "totals": totals, "files": files, "shards": shards,
-            "duplicate_examples": examples}
+            "duplicate_examples": _duplicate_examples(ids, first_of, starts, srcs, stats_by_src)}
+
+
+def _duplicate_examples(ids, first_of, starts, srcs, stats_by_src) -> list[dict]:
+    dups = np.flatnonzero(first_of != np.arange(len(ids)))[:DUPLICATE_EXAMPLES]
+
+    def where(g: int) -> tuple[str, int]:
+        f = int(np.searchsorted(starts, g, side="right")) - 1
+        return stats_by_src[srcs[f]]["file"], int(g - starts[f])
+
+    out = []
+    for g in dups:
+        (file, row), (first_file, first_row) = where(int(g)), where(int(first_of[g]))
+        out.append({"sample_id": ids[g].decode(), "file": file, "row": row, "first_file": first_file,
+                    "first_row": first_row})
+    return out
+
+
+def _read_rows(records_path: str, lo: int, hi: int) -> pa.Table:
+    """Rows [lo, hi) of a records file, reading only the row groups that hold them."""
+    pf = pq.ParquetFile(records_path)
+    sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+    bounds = np.cumsum([0] + sizes)
+    groups = [g for g in range(len(sizes)) if bounds[g] < hi and bounds[g + 1] > lo]
+    if not groups:
+        return pf.schema_arrow.empty_table()
+    return pf.read_row_groups(groups).slice(lo - int(bounds[groups[0]]), hi - lo)
 
 
 def write_shard(records_path: str, spec: dict, out: str) -> int:
     lo, hi = spec["rows"]
-    table = pq.read_table(records_path).slice(lo, hi - lo)
+    table = _read_rows(records_path, lo, hi)
     if spec["drop"]:
-        keep = [i for i in range(hi - lo) if (lo + i) not in set(spec["drop"])]
-        table = table.take(keep)
+        keep = np.ones(table.num_rows, dtype=bool)
+        drop = np.asarray(spec["drop"], dtype=np.int64) - lo
+        keep[drop[(drop >= 0) & (drop < len(keep))]] = False
+        table = table.filter(pa.array(keep))
     if table.num_rows != spec["samples"]:
         raise RuntimeError(f"{records_path}: shard {spec['shard']} expects {spec['samples']} samples, "
                            f"found {table.num_rows}: the manifest is stale, rerun the manifest stage")
