@@ -12,6 +12,15 @@ configfile: os.path.join(workflow.basedir, "config/config.yaml")
 
 
 include: "rules/common.smk"
+
+
+wildcard_constraints:
+    src=r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*?",
+    shard=r"[A-Za-z0-9_.-]+-\d{5}",
+    dataset="|".join(DATASETS),
+    gengroup=r"[A-Za-z0-9_.]+-g\d{5}",
+
+
 include: "rules/demo.smk"
 include: "rules/ingest.smk"
 include: "rules/tokenize.smk"
@@ -26,4 +35,4 @@ include: "rules/report.smk"
 rule all:
     default_target: True
     input:
-        final_targets(),
+        final_output(),

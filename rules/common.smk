@@ -8,25 +8,18 @@ import sys
 
 from snakemake.utils import validate
 
+from dflash_pipeline.cluster.launch_torchrun import train_resources
 
 validate(config, "../config/schema.yaml")
 
 R = config["results"]
-# The project's command; every rule calls one of its stages. When snakemake runs from a venv that is
-# not on PATH, use the command installed beside its interpreter.
-PKG = "dflash-pipeline"
-if shutil.which(PKG) is None and os.path.exists(os.path.join(os.path.dirname(sys.executable), PKG)):
-    PKG = os.path.join(os.path.dirname(sys.executable), PKG)
-PKG = shlex.quote(PKG)  # a venv under a path with spaces
+# Every rule calls a stage of the project's command, `dflash-pipeline`. When snakemake runs from a venv that is
+# not on PATH, the jobs (local, or a snakemake re-run inside a cluster job) find it beside the interpreter.
+if shutil.which("dflash-pipeline") is None:
+    shell.prefix(f'export PATH={shlex.quote(os.path.dirname(sys.executable))}:"$PATH"; ')
 DATASETS = ["source", "regenerated"]
 ENV_CPU = "../envs/cpu.yaml"
 ENV_GPU = "../envs/gpu.yaml"
-
-
-wildcard_constraints:
-    src=r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*?",
-    shard=r"[A-Za-z0-9_.-]+-\d{5}",
-    dataset="|".join(DATASETS),
 
 
 def _source_name(path):
@@ -62,14 +55,22 @@ RAW_INPUTS = _expand_inputs(config["inputs"])
 
 def raw_input(wildcards):
     path = RAW_INPUTS[wildcards.src]
-    # s3:// inputs go through the S3 storage plugin; local ones are plain paths
-    return storage.s3(path) if path.startswith("s3://") else path
+    if path.startswith("s3://"):
+        return storage.s3(path)  # through the S3 storage plugin; local inputs are plain paths
+    return path
 
 
 # every file `dflash-pipeline tiny-model` writes: all are declared, so under S3 storage the whole model
 # directory travels to the jobs that need it (config.json first: target_model_dir() takes its directory)
-DEMO_TARGET_FILES = ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                     "tokenizer_config.json", "chat_template.jinja", "demo_target.json"]
+DEMO_TARGET_FILES = [
+    "config.json",
+    "model.safetensors",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "demo_target.json",
+]
 
 
 def target_model_files():
@@ -139,20 +140,189 @@ TRUST = {"trust_remote_code": True} if config["target"].get("trust_remote_code")
 
 
 def log(name):
-    return os.path.join(R, "logs", name + ".log")
+    return os.path.join(R, "logs", f"{name}.log")
 
 
 def bench(name):
-    return os.path.join(R, "benchmarks", name + ".tsv")
+    return os.path.join(R, "benchmarks", f"{name}.tsv")
 
 
-_FINAL_TARGETS = []
+def final_output():
+    """What the default target (`all`) builds: the source gate, the plan, the trained and exported drafter,
+    its evaluation and gate, and the run's summary for `snakemake --report`."""
+    return [
+        os.path.join(R, "audit/source/gate.ok"),
+        os.path.join(R, "plan.txt"),
+        os.path.join(R, "train/drafter"),
+        os.path.join(R, "drafter"),
+        os.path.join(R, "evaluate/report.json"),
+        os.path.join(R, "evaluate/gate.ok"),
+        os.path.join(R, "report/summary.html"),
+    ]
 
 
-def add_final_target(fn):
-    """Stages register what `rule all` must build; called once per included rule file."""
-    _FINAL_TARGETS.append(fn)
+# ------------------------------------------------------------------ ingest, tokenize, audit
 
 
-def final_targets():
-    return lambda wildcards: [path for fn in _FINAL_TARGETS for path in fn()]
+def shard_entry(wildcards):
+    return manifest()["_by_shard"][wildcards.shard]
+
+
+def shard_conversations(wildcards):
+    """A shard's conversations: the ingested shard (source) or the target's completions (regenerated)."""
+    if wildcards.dataset == "source":
+        return os.path.join(R, f"ingest/shards/{wildcards.shard}.parquet")
+    return os.path.join(R, f"completions/{wildcards.shard}.parquet")
+
+
+def shard_audits(wildcards):
+    """Every shard's audit of one dataset."""
+    return expand(os.path.join(R, "tokens/{dataset}/{shard}.audit.json"), dataset=wildcards.dataset, shard=shard_ids())
+
+
+def gate_mode(dataset):
+    # with regeneration on, the source audit gates prompts only: bad answers are about to be replaced
+    return "prompts" if dataset == "source" and config["generate"]["enabled"] else "full"
+
+
+# ------------------------------------------------------------------ generation
+
+GEN = config["generate"]
+GEN_HF = GEN.get("hf") or {}
+GEN_SGLANG = GEN.get("sglang") or {}
+
+
+def _opt(flag, value):
+    return f"{flag} {value}" if value not in (None, "", []) else ""
+
+
+def generate_flags():
+    """The stage's command-line flags from config `generate:` (everything but the files)."""
+    g = GEN
+    flags = [
+        f"--backend {g['backend']}",
+        f"--max-new-tokens {g['max_new_tokens']}",
+        f"--temperature {g['temperature']}",
+        f"--top-p {g['top_p']}",
+        f"--top-k {g['top_k']}",
+        _opt("--seed", g.get("seed")),
+        "--enable-thinking" if g["enable_thinking"] else "--no-enable-thinking",
+        f"--turns {g['turns']}",
+        f"--on-length {g['on_length']}",
+        f"--length-retry-max-new-tokens {g['length_retry_max_new_tokens']}",
+        f"--max-retries {g['max_retries']}",
+        f"--empty-retries {g['empty_retries']}",
+        "" if g["retry_failed"] else "--no-retry-failed",
+        f"--flush-every {g['journal_flush_every']}",
+        f"--progress-interval {g['progress_interval_s']}",
+        f"--api {g['api']}",
+        f"--max-in-flight {g['max_in_flight']}",
+        f"--request-timeout {g['request_timeout_s']}",
+        f"--all-down-timeout {g['all_down_timeout_s']}",
+        _opt("--model-name", shlex.quote(g["model_name"]) if g.get("model_name") else ""),
+        "--trust-remote-code" if config["target"].get("trust_remote_code") else "",
+    ]
+    if g["backend"] == "hf":
+        flags += [
+            f"--batch-size {GEN_HF.get('batch_size', 32)}",
+            f"--device {GEN_HF.get('device', 'cpu')}",
+            f"--dtype {GEN_HF.get('dtype', 'auto')}",
+            _opt("--threads", GEN_HF.get("threads")),
+            _opt("--context-length", GEN_HF.get("context_length")),
+        ]
+    elif g["backend"] == "servers":
+        if not g["servers"]:
+            raise WorkflowError("generate.backend is 'servers' but generate.servers lists no endpoint")
+        flags.append(f"--servers {' '.join(shlex.quote(u) for u in g['servers'])}")
+    else:
+        if g["gpus"] < 1:
+            raise WorkflowError(
+                "generate.backend is 'sglang' but generate.gpus is 0: give each job its GPUs "
+                "(tp_size x dp_size x instances)"
+            )
+        flags.append(f"--sglang-json {shlex.quote(json.dumps(GEN_SGLANG, sort_keys=True))}")
+    mirror = GEN.get("journal_mirror") or ""
+    prefix = getattr(workflow.storage_settings, "default_storage_prefix", None) or ""
+    if not mirror and str(prefix).startswith("s3://"):
+        mirror = f"{str(prefix).rstrip('/')}/{R}/completions/journal"  # outputs on S3: journals follow them
+    flags.append(_opt("--journal-mirror", shlex.quote(mirror) if mirror else ""))
+    return " ".join(f for f in flags if f)
+
+
+GEN_FLAGS = generate_flags() if GEN["enabled"] else ""
+GEN_ENV = ENV_GPU if GEN["backend"] == "sglang" else ENV_CPU
+GEN_RESOURCES = dict(gpu=GEN["gpus"], runtime=GEN["runtime_min"], mem_mb=GEN["mem_mb"])
+
+
+def generation_group_of(shard):
+    src, k = shard.rsplit("-", 1)
+    return f"{src}-g{int(k) // GEN['shards_per_job']:05d}"
+
+
+def generation_group_members(gengroup):
+    return [s for s in shard_ids() if generation_group_of(s) == gengroup]
+
+
+# ------------------------------------------------------------------ extraction and training
+
+EXTRACT = config["extract"]
+
+
+def drafter_layers_json():
+    """Only what decides the target layers: the drafter's num_layers / target_layer_ids (training owns them)."""
+    d = config.get("drafter") or {}
+    return json.dumps({k: d[k] for k in ("num_layers", "target_layer_ids") if d.get(k) is not None}, sort_keys=True)
+
+
+from dflash_pipeline.cluster.launch_torchrun import train_resources
+
+TRAIN = config["train"]
+DRAFTER = config["drafter"]
+
+
+def train_inputs(wildcards):
+    if TRAIN["mode"] == "offline":
+        return expand(os.path.join(R, "hidden/{shard}.dfhs"), shard=shard_ids())
+    dataset = training_dataset()
+    return expand(os.path.join(R, "tokens", dataset, "{shard}.parquet"), shard=shard_ids()) + [
+        os.path.join(R, "audit", dataset, "gate.ok")
+    ]
+
+
+def train_settings():
+    """train: (minus resources) + the drafter's shape + the evaluation holdout, as one JSON."""
+    drafter = {k: DRAFTER[k] for k in ("num_layers", "block_size", "mask_token_id") if DRAFTER.get(k) is not None}
+    if DRAFTER.get("target_layer_ids"):
+        drafter["target_layer_ids"] = ",".join(str(i) for i in DRAFTER["target_layer_ids"])
+    # checkpoints are not an output: on S3 storage (Kubernetes, no shared disk) mirror them, so a job that
+    # restarts on another machine resumes instead of starting over
+    mirror = TRAIN.get("checkpoint_mirror") or ""
+    prefix = str(getattr(workflow.storage_settings, "default_storage_prefix", None) or "")
+    if not mirror and prefix.startswith("s3://"):
+        mirror = f"{prefix.rstrip('/')}/{R}/train/checkpoints"
+    return stage_settings(
+        "train",
+        drop=("checkpoint_mirror",),
+        **drafter,
+        checkpoint_mirror=mirror,
+        holdout_fraction=config["evaluate"]["holdout_fraction"],
+        **TRUST,
+    )
+
+
+EVAL = config["evaluate"]
+
+
+# ------------------------------------------------------------------ report
+
+
+def report_inputs(wildcards):
+    inputs = {
+        "train": os.path.join(R, "train/drafter"),
+        "evaluate": os.path.join(R, "evaluate/report.json"),
+    }
+    if config["generate"]["enabled"]:
+        inputs["generation"] = expand(os.path.join(R, "completions/{shard}.summary.json"), shard=shard_ids())
+    if config["train"]["mode"] == "offline":  # hidden-state shards exist only when training reads them
+        inputs["extraction"] = expand(os.path.join(R, "hidden/{shard}.stats.json"), shard=shard_ids())
+    return inputs

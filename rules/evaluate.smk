@@ -2,8 +2,6 @@
 # drafter beside it, and losslessness against plain greedy decoding. The report is always written; the
 # gate rule fails the run when the trained drafter is not clearly better (wrong layer ids, shifted labels).
 
-EVAL = config["evaluate"]
-
 
 rule evaluate:
     input:
@@ -13,20 +11,20 @@ rule evaluate:
     output:
         report=os.path.join(R, "evaluate/report.json"),
         plot=report(os.path.join(R, "evaluate/acceptance.png"), category="Evaluation"),
-    params:
-        model=lambda wc, input: target_model_dir(input.model),
-        settings=stage_settings("evaluate"),
-    resources:
-        gpu=EVAL["gpus"],
     log:
         log("evaluate"),
     benchmark:
         bench("evaluate")
     conda:
         ENV_GPU
+    resources:
+        gpu=EVAL["gpus"],
+    params:
+        model=lambda wc, input: target_model_dir(input.model),
+        settings=stage_settings("evaluate"),
     shell:
-        "{PKG} with-gpus --n {resources.gpu} -- "
-        "{PKG} evaluate --drafter {input.drafter:q} --model {params.model:q} --tokens {input.tokens:q} "
+        "dflash-pipeline with-gpus --n {resources.gpu} -- "
+        "dflash-pipeline evaluate --drafter {input.drafter:q} --model {params.model:q} --tokens {input.tokens:q} "
         "--settings {params.settings:q} --out {output.report:q} --plot {output.plot:q} "
         "> {log:q} 2>&1"
 
@@ -38,14 +36,7 @@ rule evaluate_gate:
         os.path.join(R, "evaluate/gate.ok"),
     log:
         log("evaluate_gate"),
+    conda:
+        ENV_CPU
     shell:
-        "{PKG} evaluate-gate --report {input:q} --out {output:q} 2>&1 | tee {log:q}; exit ${{PIPESTATUS[0]}}"
-
-
-add_final_target(
-    lambda: [
-        os.path.join(R, "evaluate/report.json"),
-        os.path.join(R, "evaluate/gate.ok"),
-        os.path.join(R, "train/drafter"),
-    ]
-)
+        "dflash-pipeline evaluate-gate --report {input:q} --out {output:q} 2>&1 | tee {log:q}; exit ${{PIPESTATUS[0]}}"

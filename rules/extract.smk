@@ -1,13 +1,5 @@
 # Hidden-state extraction (GPU-tagged, one job per shard) and the plan printed before any GPU work.
 
-EXTRACT = config["extract"]
-
-
-def _drafter_layers_json():
-    """Only what decides the target layers: the drafter's num_layers / target_layer_ids (training owns them)."""
-    d = config.get("drafter") or {}
-    return json.dumps({k: d[k] for k in ("num_layers", "target_layer_ids") if d.get(k) is not None}, sort_keys=True)
-
 
 rule plan:
     input:
@@ -16,18 +8,21 @@ rule plan:
     output:
         text=os.path.join(R, "plan.txt"),
         json=os.path.join(R, "plan.json"),
-    params:
-        model=lambda wc, input: target_model_dir(input.model),
-        config=json.dumps({k: config.get(k) for k in ("generate", "tokenize", "extract", "drafter", "train")},
-                          sort_keys=True, default=str),
-        stats=os.path.join(R, "hidden/*.stats.json"),
     log:
         log("plan"),
     conda:
         ENV_CPU
+    params:
+        model=lambda wc, input: target_model_dir(input.model),
+        config=json.dumps(
+            {k: config.get(k) for k in ("generate", "tokenize", "extract", "drafter", "train")},
+            sort_keys=True,
+            default=str,
+        ),
+        stats=os.path.join(R, "hidden/*.stats.json"),
     shell:
         # printed to the terminal as well: this is what the user must read before the GPUs start
-        "{PKG} plan --tokens {input.tokens:q} --model {params.model:q} --config {params.config:q} "
+        "dflash-pipeline plan --tokens {input.tokens:q} --model {params.model:q} --config {params.config:q} "
         "--hidden-stats {params.stats:q} --out {output.text:q} --json {output.json:q} 2>&1 | tee {log:q}; "
         "exit ${{PIPESTATUS[0]}}"
 
@@ -42,23 +37,21 @@ rule extract:
     output:
         hidden=os.path.join(R, "hidden/{shard}.dfhs"),
         stats=os.path.join(R, "hidden/{shard}.stats.json"),
-    params:
-        model=lambda wc, input: target_model_dir(input.model),
-        settings=stage_settings("extract", drop=("assumed_tokens_per_s", "warn_bytes"),
-                                drafter_config=_drafter_layers_json(), **TRUST),
-    resources:
-        gpu=EXTRACT["gpus"],
-    threads: EXTRACT["encode_threads"]
     log:
         log("extract/{shard}"),
     benchmark:
         bench("extract/{shard}")
     conda:
         ENV_GPU
+    threads: EXTRACT["encode_threads"]
+    resources:
+        gpu=EXTRACT["gpus"],
+    params:
+        model=lambda wc, input: target_model_dir(input.model),
+        settings=stage_settings(
+            "extract", drop=("assumed_tokens_per_s", "warn_bytes"), drafter_config=drafter_layers_json(), **TRUST
+        ),
     shell:
         # a killed job leaves {output.hidden}.partial + .journal behind: the rerun resumes from them
-        "{PKG} with-gpus --n {resources.gpu} -- {PKG} extract --tokens {input.tokens:q} --model {params.model:q} --out {output.hidden:q} "
+        "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline extract --tokens {input.tokens:q} --model {params.model:q} --out {output.hidden:q} "
         "--stats {output.stats:q} --settings {params.settings:q} > {log:q} 2>&1"
-
-
-add_final_target(lambda: [os.path.join(R, "plan.txt")])

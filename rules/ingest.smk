@@ -9,17 +9,17 @@ rule ingest:
         records=os.path.join(R, "ingest/files/{src}.parquet"),
         stats=os.path.join(R, "ingest/files/{src}.stats.json"),
         quarantine=os.path.join(R, "ingest/files/{src}.quarantine.jsonl"),
-    params:
-        settings=stage_settings("ingest", keys=["on_corrupt", "max_record_bytes"]),
-        name=lambda wc: RAW_INPUTS[wc.src],
     log:
         log("ingest/{src}"),
     benchmark:
         bench("ingest/{src}")
     conda:
         ENV_CPU
+    params:
+        settings=stage_settings("ingest", keys=["on_corrupt", "max_record_bytes"]),
+        name=lambda wc: RAW_INPUTS[wc.src],
     shell:
-        "{PKG} ingest --input {input:q} --name {params.name:q} --out {output.records:q} --stats {output.stats:q} "
+        "dflash-pipeline ingest --input {input:q} --name {params.name:q} --out {output.records:q} --stats {output.stats:q} "
         "--quarantine {output.quarantine:q} --settings {params.settings:q} > {log:q} 2>&1"
 
 
@@ -29,32 +29,28 @@ checkpoint manifest:
         records=expand(os.path.join(R, "ingest/files/{src}.parquet"), src=sorted(RAW_INPUTS)),
     output:
         manifest=os.path.join(R, "ingest/manifest.json"),
-    params:
-        settings=stage_settings("ingest", keys=["shard_size"]),
     log:
         log("manifest"),
     conda:
         ENV_CPU
+    params:
+        settings=stage_settings("ingest", keys=["shard_size"]),
     shell:
-        "{PKG} manifest --records {input.records:q} --stats {input.stats:q} --settings {params.settings:q} "
+        "dflash-pipeline manifest --records {input.records:q} --stats {input.stats:q} --settings {params.settings:q} "
         "--out {output.manifest:q} > {log:q} 2>&1"
-
-
-def _shard_entry(wildcards):
-    return manifest()["_by_shard"][wildcards.shard]
 
 
 rule shard:
     input:
-        records=lambda wc: os.path.join(R, f"ingest/files/{_shard_entry(wc)['src']}.parquet"),
+        records=lambda wc: os.path.join(R, f"ingest/files/{shard_entry(wc)['src']}.parquet"),
     output:
         os.path.join(R, "ingest/shards/{shard}.parquet"),
-    params:
-        # only this shard's slice of the manifest is a parameter: another file's change does not touch it
-        spec=lambda wc: json.dumps(_shard_entry(wc), sort_keys=True),
     log:
         log("shard/{shard}"),
     conda:
         ENV_CPU
+    params:
+        # only this shard's slice of the manifest is a parameter: another file's change does not touch it
+        spec=lambda wc: json.dumps(shard_entry(wc), sort_keys=True),
     shell:
-        "{PKG} shard --records {input.records:q} --spec {params.spec:q} --out {output:q} > {log:q} 2>&1"
+        "dflash-pipeline shard --records {input.records:q} --spec {params.spec:q} --out {output:q} > {log:q} 2>&1"

@@ -3,27 +3,19 @@
 # The audit reports (rules/audit.smk) and the evaluation plot (rules/evaluate.smk) are report items too.
 
 
-def _report_inputs(wildcards):
-    inputs = {
-        "train": os.path.join(R, "train/drafter"),
-        "evaluate": os.path.join(R, "evaluate/report.json"),
-    }
-    if config["generate"]["enabled"]:
-        inputs["generation"] = expand(os.path.join(R, "completions/{shard}.summary.json"), shard=shard_ids())
-    if config["train"]["mode"] == "offline":  # hidden-state shards exist only when training reads them
-        inputs["extraction"] = expand(os.path.join(R, "hidden/{shard}.stats.json"), shard=shard_ids())
-    return inputs
-
-
 rule run_report:
     input:
-        unpack(_report_inputs),
+        unpack(report_inputs),
     output:
         generation=report(os.path.join(R, "report/generation.png"), category="Generation"),
         extraction=report(os.path.join(R, "report/extraction.png"), category="Extraction"),
         training=report(os.path.join(R, "report/training.png"), category="Training"),
         tau=report(os.path.join(R, "report/tau.png"), category="Evaluation"),
         summary=report(os.path.join(R, "report/summary.html"), category="Summary"),
+    log:
+        log("run_report"),
+    conda:
+        ENV_CPU
     params:
         generation=lambda wc, input: input.get("generation", []),
         extraction=lambda wc, input: input.get("extraction", []),
@@ -32,17 +24,10 @@ rule run_report:
         evaluate=lambda wc, input: input.get("evaluate", ""),
         benchmarks=os.path.join(R, "benchmarks"),
         out_dir=lambda wc, output: os.path.dirname(output.summary),
-    log:
-        log("run_report"),
-    conda:
-        ENV_CPU
     shell:
-        "{PKG} report-figures --generation {params.generation:q} --extraction {params.extraction:q} "
+        "dflash-pipeline report-figures --generation {params.generation:q} --extraction {params.extraction:q} "
         "--train {params.train:q} --evaluate {params.evaluate:q} --benchmarks {params.benchmarks:q} "
         "--out-dir {params.out_dir:q} > {log:q} 2>&1"
-
-
-add_final_target(lambda: [os.path.join(R, "report/summary.html")])
 
 
 # Jobs too small to be worth a cluster slot (seconds of work, no GPU): on SLURM or Kubernetes they run in
