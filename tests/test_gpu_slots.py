@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import textwrap
 import time
@@ -113,3 +114,38 @@ def test_snakemake_local_gpu_jobs_never_share_a_device(tmp_path):
             a, b = jobs[i], jobs[j]
             if a["t0"] < b["t1"] and b["t0"] < a["t1"]:
                 assert a["cvd"] != b["cvd"]
+
+
+def test_planted_symlink_lock_file_is_refused_and_its_target_untouched(tmp_path):
+    lock_dir = tmp_path / "locks"
+    lock_dir.mkdir(mode=0o700)
+    victim = tmp_path / "precious.txt"
+    victim.write_text("do not truncate me\n")
+    (lock_dir / "gpu-0.lock").symlink_to(victim)
+    proc = run_cli("with-gpus", "--n", "1", "--pool", "0", "--lock-dir", lock_dir, "--", "true", check=False,
+                   env=_env(lock_dir))
+    assert proc.returncode == 2 and "symbolic link" in proc.stderr and "gpu-0.lock" in proc.stderr
+    assert victim.read_text() == "do not truncate me\n"
+
+
+def test_lock_dir_is_private_and_owned(tmp_path):
+    fresh = tmp_path / "new-locks"
+    run_cli("with-gpus", "--n", "1", "--pool", "0", "--lock-dir", fresh, "--", "true", env=_env(fresh))
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    assert stat.S_IMODE((fresh / "gpu-0.lock").stat().st_mode) == 0o600
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    proc = run_cli("with-gpus", "--n", "1", "--pool", "0", "--lock-dir", shared, "--", "true", check=False,
+                   env=_env(shared))
+    assert proc.returncode == 2 and "writable by others" in proc.stderr
+    # a dir planted by another user (as root: one chowned away; otherwise /tmp, which root owns)
+    if os.getuid() == 0:
+        foreign = tmp_path / "foreign"
+        foreign.mkdir(mode=0o700)
+        os.chown(foreign, 4321, 4321)
+    else:
+        foreign = Path("/tmp")
+    proc = run_cli("with-gpus", "--n", "1", "--pool", "0", "--lock-dir", foreign, "--", "true", check=False,
+                   env=_env(foreign))
+    assert proc.returncode == 2 and "belongs to uid" in proc.stderr

@@ -7,6 +7,10 @@ holds one lock file per GPU (an `flock` on `<lock-dir>/gpu-<id>.lock`) and execs
 taken until CMD and every child it forked have exited, however they exit (a killed job frees its GPUs:
 the kernel drops the locks with the last descriptor; no stale lock files to clean up).
 
+The lock dir's name is predictable, so it is created with mode 0700 and must belong to this user and be
+writable by no one else; lock files are opened with O_NOFOLLOW and must be regular files: a link planted
+there by someone else is an error, never a file this job truncates.
+
 The pool, first match wins: `--pool`, `$DFLASH_GPU_POOL`, `$CUDA_VISIBLE_DEVICES` (ids or UUIDs), or the
 GPUs that `nvidia-smi -L` lists. Inside a SLURM job (`$SLURM_JOB_ID`) the scheduler has already
 assigned the devices: the command runs unchanged. With `--n 0` the command runs with no GPU visible.
@@ -20,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -63,8 +68,27 @@ def _lock_name(gpu_id: str) -> str:
     return "gpu-" + re.sub(r"[^A-Za-z0-9_.-]", "_", gpu_id) + ".lock"
 
 
+def _open_lock_file(lock_dir: str, gpu_id: str) -> int:
+    """The lock file's descriptor; never follows a symbolic link and never opens anything but a regular file
+    of this user (O_NONBLOCK: a planted FIFO cannot hang the open)."""
+    path = os.path.join(lock_dir, _lock_name(gpu_id))
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PipelineError(f"with-gpus: lock file {path} is a symbolic link; refusing to follow it "
+                                "(remove it, or choose another --lock-dir)") from exc
+        raise PipelineError(f"with-gpus: cannot open lock file {path}: {exc.strerror}") from exc
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise PipelineError(f"with-gpus: lock file {path} is not a regular file of this user; refusing to use it")
+    return fd
+
+
 def _try_lock(lock_dir: str, gpu_id: str) -> int | None:
-    fd = os.open(os.path.join(lock_dir, _lock_name(gpu_id)), os.O_RDWR | os.O_CREAT, 0o666)
+    fd = _open_lock_file(lock_dir, gpu_id)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -78,6 +102,23 @@ def _try_lock(lock_dir: str, gpu_id: str) -> int | None:
     return fd
 
 
+def ensure_lock_dir(lock_dir: str) -> None:
+    """Create the lock dir (0700), or check that an existing one is this user's and writable by no one else."""
+    try:
+        os.makedirs(lock_dir, mode=0o700, exist_ok=True)
+        st = os.lstat(lock_dir)
+    except OSError as exc:
+        raise PipelineError(f"with-gpus: cannot create lock dir {lock_dir}: {exc.strerror}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise PipelineError(f"with-gpus: lock dir {lock_dir} is not a directory (a symbolic link?); refusing it")
+    if st.st_uid != os.getuid():
+        raise PipelineError(f"with-gpus: lock dir {lock_dir} belongs to uid {st.st_uid}, not to this user "
+                            f"({os.getuid()}); refusing it (choose another --lock-dir)")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PipelineError(f"with-gpus: lock dir {lock_dir} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
+                            f"refusing it (chmod 700 {lock_dir})")
+
+
 def acquire(n: int, pool: list[str], lock_dir: str, timeout: float | None = None,
             poll: float = 0.5) -> tuple[list[str], list[int]]:
     """Take `n` distinct GPUs from `pool` (all or nothing), waiting up to `timeout` seconds (None: forever).
@@ -86,7 +127,7 @@ def acquire(n: int, pool: list[str], lock_dir: str, timeout: float | None = None
     """
     if n > len(pool):
         raise PipelineError(f"with-gpus: {n} GPU(s) wanted but the pool has {len(pool)}: {pool}")
-    os.makedirs(lock_dir, exist_ok=True)
+    ensure_lock_dir(lock_dir)
     deadline = None if timeout is None else time.monotonic() + timeout
     waited = False
     while True:
