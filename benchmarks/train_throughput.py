@@ -19,8 +19,13 @@ import time
 
 import torch
 
-from dflash_pipeline.drafter.data import Batch, block_loss
-from dflash_pipeline.drafter.model import DFlashDrafter, DrafterConfig, TargetHead
+from extract_throughput import matmul_rate  # benchmarks/ is on sys.path when run as a script
+
+from dflash_pipeline.drafter.batch import Batch
+from dflash_pipeline.drafter.config import DrafterConfig
+from dflash_pipeline.drafter.loss import block_loss
+from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.target_head import TargetHead
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
@@ -104,17 +109,7 @@ def main():
     except Exception as exc:  # noqa: BLE001 - the throughput numbers still come
         print(f"CHECK FAILED: {type(exc).__name__}: {exc}")
 
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    bm = torch.randn_like(a)
-    for _ in range(3):
-        a @ bm
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        a @ bm
-    torch.cuda.synchronize()
-    mm = 20 * 2 * 8192**3 / (time.perf_counter() - t)
-    del a, bm
+    mm = matmul_rate(dev)
     print(f"bf16 matmul measured: {mm / 1e12:.0f} TFLOP/s")
 
     cfg = qwen3_8b_config()
@@ -168,7 +163,7 @@ def run_variant(variant, cfg, head, args, dev, gen, mm):
         flops = sum(model_flops(cfg, bt) for bt in batches) / len(batches)
 
         if online:  # the target's forward every step replaces the stored features (8B: 2 * 7.57e9 FLOP/token)
-            from dflash_pipeline.drafter.data import target_features
+            from dflash_pipeline.drafter.features import target_features
 
             flops += 2 * 7.57e9 * args.batch * args.seq
 

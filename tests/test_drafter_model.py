@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_pipeline.drafter.data import (
-    block_loss, collate, dense_block_mask, epoch_order, is_holdout, sample_anchors, target_features,
-)
-from dflash_pipeline.drafter.model import (
-    ContextCache, DFlashDrafter, DrafterConfig, decay_weights, load_target_head, read_target_config,
-    resolve_mask_token_id,
-)
+from dflash_pipeline.drafter.batch import collate, sample_anchors
+from dflash_pipeline.drafter.config import DrafterConfig
+from dflash_pipeline.drafter.features import target_features
+from dflash_pipeline.drafter.loss import block_loss, decay_weights
+from dflash_pipeline.drafter.masks import dense_block_mask
+from dflash_pipeline.drafter.model import ContextCache, DFlashDrafter
+from dflash_pipeline.drafter.sources import epoch_order, is_holdout
+from dflash_pipeline.drafter.target_head import load_target_head, resolve_mask_token_id
+from dflash_pipeline.target import read_config as read_target_config
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.target_layers import default_target_layer_ids
 

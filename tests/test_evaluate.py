@@ -11,7 +11,10 @@ from torch import nn
 
 from dflash_pipeline import storage
 from dflash_pipeline.cli import main as cli_main
-from dflash_pipeline.drafter.model import DFlashDrafter, DrafterConfig, load_target_head, read_target_config
+from dflash_pipeline.drafter.config import DrafterConfig
+from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.target_head import load_target_head
+from dflash_pipeline.target import read_config as read_target_config
 from dflash_pipeline.drafter.evaluate import greedy_generate, speculative_generate
 
 
@@ -73,7 +76,7 @@ def test_speculative_decoding_accepts_and_is_lossless(setup, pattern):
 
 def test_untrained_drafter_is_lossless_and_fails_the_gate(tiny_target, setup, tmp_path, capsys):
     """An exported untrained drafter: decoding stays lossless, tau ~ 1, and the evaluation gate fails."""
-    from dflash_pipeline.drafter.data import write_greedy_token_shard
+    from token_fixtures import write_greedy_token_shard
 
     target, head, _ = setup
     tokens = tmp_path / "tok-00000.parquet"

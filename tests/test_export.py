@@ -11,7 +11,10 @@ from safetensors.torch import save_file
 
 from dflash_pipeline import storage
 from dflash_pipeline.cli import main as cli_main
-from dflash_pipeline.drafter.model import DFlashDrafter, DrafterConfig, load_target_head, read_target_config
+from dflash_pipeline.drafter.config import DrafterConfig
+from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.target_head import load_target_head
+from dflash_pipeline.target import read_config as read_target_config
 from dflash_pipeline.drafter.export import load_exported
 
 
@@ -87,3 +90,120 @@ def test_export_refuses_incomplete_drafter(tiny_target, trained_dir, tmp_path, c
     assert cli_main(["export", "--drafter", str(bad), "--model", str(tiny_target), "--out", str(tmp_path / "o")]) == 2
     assert "hidden_norm.weight" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RoPE contract with the engines, on a Qwen3.5-shaped target (partial rotary 0.25 + M-RoPE)
+# ---------------------------------------------------------------------------------------------------------
+
+QWEN35_TEXT = {
+    "model_type": "qwen3_5_text", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 8,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512, "rms_norm_eps": 1e-6,
+    "full_attention_interval": 4, "attn_output_gate": True, "linear_num_key_heads": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+}
+
+
+def _vllm_rotary_dim(cfg) -> int:
+    """vLLM 0.34 qwen3_dflash -> get_rope(head_dim, rope_parameters=config.rope_parameters): `rope_dim` if set,
+    else head_dim * partial_rotary_factor (M-RoPE only with `mrope_section`; with the 1-D positions a drafter
+    gets, M-RoPE reduces to plain RoPE over the same width)."""
+    params = cfg.rope_parameters
+    return int(params.get("rope_dim") or cfg.head_dim * params.get("partial_rotary_factor", 1.0))
+
+
+def _sglang_rotary_dim(cfg) -> int:
+    """SGLang 0.5.23 DFlashAttention: rotary_dim = head_dim, partial from the config *attribute*
+    `partial_rotary_factor`; an explicit rope_parameters["rope_dim"] wins and drops partial/M-RoPE keys."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if "rope_dim" in params:
+        return int(params["rope_dim"])
+    partial = float(getattr(cfg, "partial_rotary_factor", 1.0))
+    return int(cfg.head_dim * partial) if partial < 1.0 else cfg.head_dim
+
+
+def _engine_attention(attn, x, ctx, pos_blk, pos_ctx, rotary_dim: int, theta: float):
+    """A drafter layer's attention as an engine computes it: neox RoPE on the first `rotary_dim` dims (fp64
+    frequencies), keys/values of [context | block], queries of the block, no mask (one block)."""
+    def rope(t, pos):  # t [L, heads, D]
+        half = rotary_dim // 2
+        inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+        f = pos.double()[:, None] * inv
+        cos, sin = f.cos().float()[:, None], f.sin().float()[:, None]
+        r1, r2, rest = t[..., :half], t[..., half:rotary_dim], t[..., rotary_dim:]
+        return torch.cat([r1 * cos - r2 * sin, r2 * cos + r1 * sin, rest], dim=-1)
+
+    d, hq, hk = attn.head_dim, attn.heads, attn.kv_heads
+    q = rope(attn.q_norm(attn.q_proj(x).view(-1, hq, d)), pos_blk)
+    kv_in, kv_pos = torch.cat([ctx, x]), torch.cat([pos_ctx, pos_blk])
+    k = rope(attn.k_norm(attn.k_proj(kv_in).view(-1, hk, d)), kv_pos)
+    v = attn.v_proj(kv_in).view(-1, hk, d)
+    k, v = k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
+    w = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * d**-0.5, dim=-1)
+    return attn.o_proj(torch.einsum("hqk,khd->qhd", w, v).reshape(len(x), hq * d))
+
+
+@pytest.fixture(scope="module")
+def qwen35_export(tmp_path_factory):
+    """A tiny Qwen3.5-shaped target (config + embedding/LM head) and a drafter for it, exported by the CLI."""
+    root = tmp_path_factory.mktemp("qwen35")
+    target = root / "target"
+    target.mkdir()
+    storage.write_json(target / "config.json", {"model_type": "qwen3_5", "architectures": [
+        "Qwen3_5ForConditionalGeneration"], "text_config": QWEN35_TEXT, "vision_config": {"depth": 2}})
+    save_file({"model.language_model.embed_tokens.weight": torch.randn(512, 128),
+               "lm_head.weight": torch.randn(512, 128)}, str(target / "model.safetensors"))
+    cfg = DrafterConfig.from_target(read_target_config(target), 1, [3], 16, 511, 512)
+    torch.manual_seed(5)
+    model = DFlashDrafter(cfg)
+    drafter = root / "drafter"
+    drafter.mkdir()
+    save_file(model.engine_state_dict(), str(drafter / "drafter.safetensors"))
+    storage.write_json(drafter / "drafter_config.json", cfg.to_dict())
+    out = root / "export"
+    assert cli_main(["export", "--drafter", str(drafter), "--model", str(target), "--out", str(out),
+                     "--dtype", "float32"]) == 0
+    return target, drafter, out, model
+
+
+def test_qwen35_partial_rotary_is_what_both_engines_apply(qwen35_export):
+    from transformers import AutoConfig
+
+    _, _, out, model = qwen35_export
+    assert model.config.rotary_dim == 16  # head_dim 64 x partial_rotary_factor 0.25: trained as the target rotates
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["rope_parameters"]["rope_dim"] == 16
+    assert not {"mrope_section", "mrope_interleaved"} & set(exported["rope_parameters"])
+    engine_cfg = AutoConfig.from_pretrained(out)  # what both engines parse (transformers, by model_type)
+    assert _vllm_rotary_dim(engine_cfg) == _sglang_rotary_dim(engine_cfg) == 16
+
+    g = torch.Generator().manual_seed(1)
+    x, ctx = torch.randn(16, 128, generator=g), torch.randn(20, 128, generator=g)
+    pos_ctx, pos_blk = torch.arange(20) + 3000, torch.arange(20, 36) + 3000
+    attn = model.layers[0].self_attn
+    with torch.no_grad():
+        rope_ctx = model.rotary(pos_ctx[None], torch.float32)
+        rope_blk = model.rotary(pos_blk[None], torch.float32)
+        ours = attn(x[None], ctx[None], rope_ctx, rope_blk, None, None, 0)[0]
+        theta = engine_cfg.rope_parameters["rope_theta"]
+        for reader in (_vllm_rotary_dim, _sglang_rotary_dim):
+            engine = _engine_attention(attn, x, ctx, pos_blk, pos_ctx, reader(engine_cfg), theta)
+            torch.testing.assert_close(ours, engine, atol=1e-5, rtol=1e-4)
+        # the check can fail: the full-head rotation the drafter used before differs from what engines apply
+        full = _engine_attention(attn, x, ctx, pos_blk, pos_ctx, 64, theta)
+        assert (ours - full).abs().max() > 1e-3
+    # the target's rope copied as is (the old export) is read differently by the two engines: 16 vs 64 dims
+    copied = dict(exported, rope_parameters=QWEN35_TEXT["rope_parameters"])
+    (out.parent / "copied").mkdir(exist_ok=True)
+    storage.write_json(out.parent / "copied" / "config.json", copied)
+    old = AutoConfig.from_pretrained(out.parent / "copied")
+    assert (_vllm_rotary_dim(old), _sglang_rotary_dim(old)) == (16, 64)
+
+
+def test_qwen35_export_loads_back_with_identical_logits(qwen35_export):
+    target, _, out, model = qwen35_export
+    head = load_target_head(target)
+    back = load_exported(out)
+    assert back.config.rotary_dim == 16 and back.config.rope_theta == 10_000_000
+    assert torch.equal(_logits(model.eval(), head, model.config), _logits(back, head, back.config))

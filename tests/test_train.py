@@ -12,8 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, run_cli
+from conftest import BIN
 from dflash_pipeline.cli import main as cli_main
+from token_fixtures import write_greedy_token_shard
+from train_kill_helpers import killed_train_run
 
 
 def run_in_process(*args) -> int:
@@ -23,8 +25,6 @@ def run_in_process(*args) -> int:
 
 @pytest.fixture(scope="module")
 def token_shards(tiny_target, tmp_path_factory) -> list[Path]:
-    from dflash_pipeline.drafter.data import write_greedy_token_shard
-
     out = tmp_path_factory.mktemp("tokens")
     paths = []
     for s in range(2):
@@ -49,10 +49,12 @@ def test_killed_and_resumed_run_ends_with_identical_weights(tiny_target, token_s
     assert run_in_process(*_train_args(tiny_target, token_shards, ref / "out", ref / "ckpt")) == 0
     killed = tmp_path / "killed"
     args = _train_args(tiny_target, token_shards, killed / "out", killed / "ckpt")
-    proc = run_cli(*args, "--debug-kill-at-step", "5", check=False)
-    assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL: nothing cleaned up
+    proc = killed_train_run(6, args)  # SIGKILL at the checkpoint save of step 6: nothing cleaned up
+    assert proc.returncode == -9, proc.stderr[-2000:]
     assert not (killed / "out").exists()
     assert sorted(p.name for p in (killed / "ckpt").glob("step-*.pt")) == ["step-00000003.pt"]
+    logged = [json.loads(ln)["step"] for ln in (killed / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [2, 4, 6]  # steps 4 and 6 were logged and then lost with the process
     assert run_in_process(*args) == 0
     a = load_file(str(ref / "out" / "drafter.safetensors"))
     b = load_file(str(killed / "out" / "drafter.safetensors"))
@@ -78,7 +80,7 @@ def test_offline_training_from_hidden_state_shards_matches_online(tiny_target, t
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.drafter.data import target_features
+    from dflash_pipeline.drafter.features import target_features
     from dflash_pipeline.hidden_states.shard_format import write_shard
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
@@ -148,7 +150,7 @@ def test_checkpoints_mirrored_to_s3_resume_on_a_new_machine(tiny_target, token_s
         ref = tmp_path / "ref"
         assert run_in_process(*_train_args(tiny_target, token_shards, ref / "out", ref / "ckpt")) == 0
         first = _train_args(tiny_target, token_shards, tmp_path / "a" / "out", tmp_path / "a" / "ckpt")
-        proc = run_cli(*first, *mirror, "--debug-kill-at-step", "5", check=False, env={**os.environ, **env})
+        proc = killed_train_run(6, [*first, *mirror], env={**os.environ, **env})
         assert proc.returncode == -9, proc.stderr[-2000:]
         keys = [o["Key"] for o in s3.list_objects_v2(Bucket="ckpt", Prefix="run/")["Contents"]]
         assert keys == ["run/train/checkpoints/step-00000003.pt"]

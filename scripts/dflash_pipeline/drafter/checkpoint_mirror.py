@@ -3,7 +3,7 @@
 The checkpoint directory is not a declared output (a failed job must keep it), so under S3 default storage
 or on Kubernetes it would stay on the node that wrote it. Each new checkpoint is uploaded in the background
 (one at a time: training does not wait for a multi-GB upload); a run that finds no local checkpoint
-fetches the newest one from the mirror before it looks for one to resume from.
+fetches the newest one from the mirror (an older one if the newest does not load, see checkpoints.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ class CheckpointMirror:
         self._upload: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def _keys(self) -> list[str]:
+    def keys(self) -> list[str]:
+        """Keys of the mirrored checkpoints, oldest first."""
         keys, token = [], None
         while True:
             kw = {"Bucket": self.bucket, "Prefix": self.prefix}
@@ -40,17 +41,13 @@ class CheckpointMirror:
                 return sorted(keys)
             token = page["NextContinuationToken"]
 
-    def fetch_latest(self, ckpt_dir: Path) -> Path | None:
-        """Download the newest mirrored checkpoint into `ckpt_dir` (atomically); None if there is none."""
-        keys = self._keys()
-        if not keys:
-            return None
-        name = keys[-1].rsplit("/", 1)[-1]
-        dest = ckpt_dir / name
+    def fetch(self, key: str, ckpt_dir: Path) -> Path:
+        """Download one mirrored checkpoint into `ckpt_dir` (atomically) unless it is there already."""
+        dest = ckpt_dir / key.rsplit("/", 1)[-1]
         if not dest.exists():
             with atomic_path(dest) as tmp:
-                self.client.download_file(self.bucket, keys[-1], str(tmp))
-            log.info("checkpoint %s restored from s3://%s/%s", dest, self.bucket, keys[-1])
+                self.client.download_file(self.bucket, key, str(tmp))
+            log.info("checkpoint %s restored from s3://%s/%s", dest, self.bucket, key)
         return dest
 
     def upload(self, path: Path) -> None:
@@ -60,7 +57,7 @@ class CheckpointMirror:
         def work():
             try:
                 self.client.upload_file(str(path), self.bucket, self.prefix + path.name)
-                for old in self._keys()[:-self.keep]:
+                for old in self.keys()[:-self.keep]:
                     self.client.delete_object(Bucket=self.bucket, Key=old)
             except BaseException as exc:  # reported on the next wait()
                 self._error = exc

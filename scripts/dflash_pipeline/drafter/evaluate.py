@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline import storage
-from dflash_pipeline.drafter.data import keeps_torch_threads
+from dflash_pipeline.drafter.runtime import keeps_torch_threads
 from dflash_pipeline.errors import PipelineError
 
 log = logging.getLogger("dflash_pipeline.drafter.evaluate")
@@ -128,7 +128,7 @@ def _crop(past, keep: int) -> None:
 
 
 def held_out_prompts(paths: list[str], fraction: float, n: int) -> list[dict]:
-    from dflash_pipeline.drafter.data import TokenSource
+    from dflash_pipeline.drafter.sources import TokenSource
 
     src = TokenSource(paths, holdout_fraction=fraction, keep="holdout")
     samples = [src.get(i) for i in range(len(src))]
@@ -199,7 +199,8 @@ def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_
 def _run_evaluate(args) -> int:
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.drafter.model import DFlashDrafter, load_target_head
+    from dflash_pipeline.drafter.model import DFlashDrafter
+    from dflash_pipeline.drafter.target_head import load_target_head
     from dflash_pipeline.drafter.export import load_exported
 
     if args.device == "auto":

@@ -9,6 +9,15 @@ Writes `config.json` and `model.safetensors` into `--out` (atomically, one renam
   explicitly (an engine that guesses them loads fine and then accepts nothing).
 - model.safetensors: `layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`; no embedding and no LM
   head (the engines take the target's).
+
+RoPE: `rope_parameters` says exactly what the drafter was trained with: `rope_theta`, and `rope_dim` (the
+rotated width) with `partial_rotary_factor` = rope_dim / head_dim; the target's M-RoPE keys are dropped (the
+drafter sees text positions only). vLLM 0.34's `get_rope` takes `rope_dim` first and builds M-RoPE only when
+`mrope_section` is present; SGLang 0.5.23's DFlash attention takes `rope_dim` as the trained width and drops
+`partial_rotary_factor`/`mrope_*`. Both therefore rotate exactly the drafter's `rotary_dim` dims, neox style.
+
+A drafter is exported only for the target it was trained for: its shapes (hidden size, heads, head dims,
+layers, vocabulary, rope) must equal the target's, and its weights must have the shapes its config implies.
 """
 
 from __future__ import annotations
@@ -21,14 +30,22 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline import storage
+from dflash_pipeline.drafter.config import MROPE_KEYS, DrafterConfig, target_shapes
+from dflash_pipeline.drafter.runtime import make_readable
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.target import read_config, text_config
 
 log = logging.getLogger("dflash_pipeline.drafter.export")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _DROP_KEYS = {"architectures", "auto_map", "quantization_config", "layer_types", "text_config", "vision_config",
-              "transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache"}
+              "transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache",
+              "rope_parameters", "rope_scaling", "partial_rotary_factor", *MROPE_KEYS}
 REQUIRED_WEIGHTS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+# fields that identify the target a drafter was trained for (rotary_dim is the drafter's own: see rope_parameters)
+TARGET_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "num_target_layers", "rope_theta", "rope_scaling", "rms_norm_eps", "hidden_act", "attention_bias",
+                 "target_model_type")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,12 +53,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target model directory (its config.json is the base)")
     p.add_argument("--out", required=True, help="export directory (config.json + model.safetensors)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="target.trust_remote_code; export reads only the target's config.json and safetensors "
+                        "headers, so no target code runs either way")
 
 
-def engine_config(target_config: dict, dcfg, dtype: str) -> dict:
+def rope_parameters(dcfg: DrafterConfig) -> dict:
+    """The drafter's RoPE as both engines read it: plain (1-D positions), `rope_dim` rotated dims."""
+    scaling = dict(dcfg.rope_scaling or {})
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    params = {"rope_type": kind, **scaling, "rope_theta": dcfg.rope_theta}
+    params["partial_rotary_factor"] = dcfg.rotary_dim / dcfg.head_dim
+    params["rope_dim"] = dcfg.rotary_dim
+    return params
+
+
+def engine_config(target_config: dict, dcfg: DrafterConfig, dtype: str) -> dict:
     """The draft model's config.json: the target's text config, re-labelled as a DFlash drafter."""
-    tc = dict(target_config.get("text_config") or target_config)
-    cfg = {k: v for k, v in tc.items() if k not in _DROP_KEYS}
+    cfg = {k: v for k, v in text_config(target_config).items() if k not in _DROP_KEYS}
     cfg.update({
         "architectures": ["DFlashDraftModel"],
         "model_type": dcfg.target_model_type,
@@ -61,70 +90,102 @@ def engine_config(target_config: dict, dcfg, dtype: str) -> dict:
         "sliding_window": None,
         "max_window_layers": dcfg.num_hidden_layers,
         "tie_word_embeddings": False,
+        "rope_theta": dcfg.rope_theta,
+        "rope_parameters": rope_parameters(dcfg),
         "block_size": dcfg.block_size,
         "num_target_layers": dcfg.num_target_layers,
         "dflash_config": {"mask_token_id": dcfg.mask_token_id, "target_layer_ids": list(dcfg.target_layer_ids)},
         "torch_dtype": dtype,
     })
-    if "rope_theta" not in cfg and "rope_parameters" not in cfg:
-        cfg["rope_theta"] = dcfg.rope_theta
     return cfg
 
 
-def config_from_engine(cfg: dict):
+def config_from_engine(cfg: dict, source: str = "config.json") -> DrafterConfig:
     """DrafterConfig from an exported config.json (ours or any DFlash checkpoint of the same layout)."""
-    from dflash_pipeline.drafter.model import DrafterConfig
-
     dc = cfg.get("dflash_config") or {}
-    ids = dc.get("target_layer_ids")
-    if not ids:
-        raise PipelineError("config.json has no dflash_config.target_layer_ids")
-    base = dict(cfg)
-    base["num_hidden_layers"] = int(cfg["num_target_layers"])  # from_target reads the *target's* layer count
-    d = DrafterConfig.from_target(base, int(cfg["num_hidden_layers"]), ids, int(cfg.get("block_size", 16)),
-                                  int(dc["mask_token_id"]), int(cfg["vocab_size"]))
-    return d
+    try:
+        ids, mask_id = dc["target_layer_ids"], int(dc["mask_token_id"])
+        base = dict(cfg, num_hidden_layers=int(cfg["num_target_layers"]))  # target_shapes reads the target's count
+        return DrafterConfig.from_target(base, int(cfg["num_hidden_layers"]), ids, int(cfg.get("block_size", 16)),
+                                         mask_id, int(cfg["vocab_size"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PipelineError(f"{source}: not a DFlash drafter config (missing or bad {exc})") from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PipelineError(f"{path}: unreadable ({exc})") from None
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+        raise PipelineError(f"{path}: unreadable safetensors file ({exc})") from None
+
+
+def check_weights(state: dict[str, torch.Tensor], dcfg: DrafterConfig, source: str) -> None:
+    """Exactly the tensors a drafter of `dcfg` has, with its shapes (built on the meta device: no memory)."""
+    from dflash_pipeline.drafter.model import DFlashDrafter
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in DFlashDrafter(dcfg).engine_state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise PipelineError(f"{source}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]} "
+                            f"for a {dcfg.num_hidden_layers}-layer drafter")
+    wrong = [f"{k} {tuple(state[k].shape)} (config implies {shape})" for k, shape in expected.items()
+             if tuple(state[k].shape) != shape]
+    if wrong:
+        raise PipelineError(f"{source}: tensor shapes do not match its config: {'; '.join(wrong[:3])}")
 
 
 def load_exported(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32):
     """An exported drafter as a DFlashDrafter (what an engine loads, read back for evaluation and tests)."""
-    from safetensors.torch import load_file
-
     from dflash_pipeline.drafter.model import DFlashDrafter
 
     path = Path(path)
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = _read_json(path / "config.json")
     if cfg.get("architectures") != ["DFlashDraftModel"]:
         raise PipelineError(f"{path}/config.json is not a DFlashDraftModel config")
-    dcfg = config_from_engine(cfg)
+    dcfg = config_from_engine(cfg, f"{path}/config.json")
+    state = _read_weights(path / "model.safetensors")
+    check_weights(state, dcfg, f"{path}/model.safetensors")
     model = DFlashDrafter(dcfg)
-    state = load_file(str(path / "model.safetensors"))
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    missing = [m for m in missing if not m.startswith("rotary.")]
-    if missing or unexpected:
-        raise PipelineError(f"{path}/model.safetensors: missing {missing}, unexpected {unexpected}")
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     return model.to(device=device, dtype=dtype).eval()
 
 
-def run(args) -> int:
-    from safetensors.torch import load_file, save_file
+def check_same_target(dcfg: DrafterConfig, model_dir: str | Path, source: str) -> None:
+    """Refuse a drafter trained for another target, naming every field that differs."""
+    from dflash_pipeline.drafter.target_head import target_vocab_rows
 
-    from dflash_pipeline.drafter.model import DrafterConfig, make_readable, read_target_config
+    target = target_shapes(read_config(model_dir))
+    diffs = [f"{k}: drafter {getattr(dcfg, k)!r}, target {target[k]!r}" for k in TARGET_FIELDS
+             if getattr(dcfg, k) != target[k]]
+    vocab = target_vocab_rows(model_dir)
+    if dcfg.vocab_size != vocab:
+        diffs.append(f"vocabulary: drafter {dcfg.vocab_size}, target embedding {vocab} rows")
+    if diffs:
+        raise PipelineError(f"{source} was trained for another target than {model_dir}: {'; '.join(diffs)}")
+
+
+def run(args) -> int:
+    from safetensors.torch import save_file
 
     drafter_dir = Path(args.drafter)
-    dcfg = DrafterConfig.from_dict(json.loads((drafter_dir / "drafter_config.json").read_text()))
-    state = load_file(str(drafter_dir / "drafter.safetensors"))
-    for name in REQUIRED_WEIGHTS:
-        if name not in state:
-            raise PipelineError(f"{drafter_dir}/drafter.safetensors has no {name}")
-    bad = [k for k in state if not (k.startswith("layers.") or k in REQUIRED_WEIGHTS)]
-    if bad:
-        raise PipelineError(f"unexpected tensors in the drafter: {bad[:5]}")
-    n_layers = len({k.split(".")[1] for k in state if k.startswith("layers.")})
-    if n_layers != dcfg.num_hidden_layers:
-        raise PipelineError(f"drafter has {n_layers} layers, its config says {dcfg.num_hidden_layers}")
+    dcfg = DrafterConfig.from_dict(_read_json(drafter_dir / "drafter_config.json"),
+                                   f"{drafter_dir}/drafter_config.json")
+    state = _read_weights(drafter_dir / "drafter.safetensors")
+    check_weights(state, dcfg, f"{drafter_dir}/drafter.safetensors")
+    check_same_target(dcfg, args.model, str(drafter_dir))
     dtype = DTYPES[args.dtype]
-    cfg = engine_config(read_target_config(args.model), dcfg, args.dtype)
+    cfg = engine_config(read_config(args.model), dcfg, args.dtype)
     with storage.atomic_dir(args.out) as tmp:
         save_file({k: v.to(dtype).contiguous() for k, v in sorted(state.items())}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})

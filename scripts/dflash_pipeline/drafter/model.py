@@ -10,99 +10,20 @@ Structure (weight names are the ones SGLang and vLLM load, see `export.py`):
   Attention is non-causal: a block sees the context before its anchor and all of its own tokens.
 - `norm`: final RMSNorm; logits come from the target's LM head (frozen, not part of the drafter).
 - RoPE positions continue the sequence: context token t has position t, block token k of a block anchored
-  at position p has position p + k.
+  at position p has position p + k. RoPE rotates the first `rotary_dim` dimensions of each head (the
+  target's partial rotary, see config.py) and passes the rest through.
 
-The target's embedding and LM head live in `TargetHead` (frozen, loaded from the target model directory,
-never saved with the drafter).
+The target's embedding and LM head live in `target_head.TargetHead` (frozen, never saved with the drafter).
 """
 
 from __future__ import annotations
-
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.errors import PipelineError
-
-
-@dataclass
-class DrafterConfig:
-    """Everything that shapes the drafter; the layer shapes are copied from the target's config."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    num_hidden_layers: int
-    num_target_layers: int
-    target_layer_ids: list[int]
-    block_size: int
-    mask_token_id: int
-    vocab_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 40960
-    attention_bias: bool = False
-    hidden_act: str = "silu"
-    target_model_type: str = "qwen3"
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "DrafterConfig":
-        return cls(**d)
-
-    @classmethod
-    def from_target(
-        cls,
-        target_config: dict,
-        num_layers: int,
-        target_layer_ids: list[int],
-        block_size: int,
-        mask_token_id: int,
-        vocab_rows: int | None = None,
-    ) -> "DrafterConfig":
-        """Drafter shapes from the target's `config.json` (a dict); text_config of multimodal configs too."""
-        tc = target_config.get("text_config") or target_config
-        hidden = int(tc["hidden_size"])
-        heads = int(tc["num_attention_heads"])
-        rope_params = tc.get("rope_parameters") or {}
-        rope_theta = float(tc.get("rope_theta", rope_params.get("rope_theta", 1_000_000.0)))
-        rope_scaling = tc.get("rope_scaling")
-        if rope_scaling is None and rope_params and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        n_target = int(tc["num_hidden_layers"])
-        ids = [int(i) for i in target_layer_ids]
-        if not ids or any(i < 0 or i >= n_target for i in ids):
-            raise PipelineError(f"target_layer_ids {ids} out of range for a target with {n_target} layers")
-        return cls(
-            hidden_size=hidden,
-            intermediate_size=int(tc["intermediate_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(tc.get("num_key_value_heads") or heads),
-            head_dim=int(tc.get("head_dim") or hidden // heads),
-            num_hidden_layers=int(num_layers),
-            num_target_layers=n_target,
-            target_layer_ids=ids,
-            block_size=int(block_size),
-            mask_token_id=int(mask_token_id),
-            vocab_size=int(vocab_rows or tc["vocab_size"]),
-            rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(tc.get("max_position_embeddings", 40960)),
-            attention_bias=bool(tc.get("attention_bias", False)),
-            hidden_act=str(tc.get("hidden_act", "silu")),
-            target_model_type=str(tc.get("model_type", target_config.get("model_type", "qwen3"))),
-        )
 
 
 class RMSNorm(nn.Module):
@@ -119,11 +40,11 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Plain RoPE (rotate-half / neox style, as Qwen3) with optional linear scaling; cos/sin per position."""
+    """Plain RoPE (rotate-half / neox style, as Qwen3) over `rotary_dim` dims with optional linear scaling."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        dim = cfg.head_dim
+        dim = cfg.rotary_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         scaling = cfg.rope_scaling or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -145,9 +66,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, L, D]; cos/sin [B, L, D]."""
+    """x [B, heads, L, D]; cos/sin [B, L, R] with R <= D: the first R dims rotate, the rest pass through."""
     cos, sin = cos[:, None], sin[:, None]
-    return x * cos + _rotate_half(x) * sin
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
 
 
 _FLEX = None
@@ -303,122 +228,5 @@ class DFlashDrafter(nn.Module):
         return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary.")}
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The target's frozen embedding and LM head
-# ---------------------------------------------------------------------------------------------------------
-
-
-class TargetHead(nn.Module):
-    """The target's token embedding and LM head, frozen (requires_grad False), never saved with the drafter."""
-
-    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None):
-        super().__init__()
-        self.embed = nn.Embedding.from_pretrained(embed_weight, freeze=True)
-        tied = lm_head_weight is None
-        self.lm_head = nn.Linear(embed_weight.shape[1], embed_weight.shape[0], bias=False)
-        self.lm_head.weight = self.embed.weight if tied else nn.Parameter(lm_head_weight, requires_grad=False)
-        self.lm_head.weight.requires_grad_(False)
-
-    @property
-    def vocab_rows(self) -> int:
-        return self.embed.weight.shape[0]
-
-    def check_mask_token(self, mask_token_id: int) -> None:
-        if not 0 <= int(mask_token_id) < self.vocab_rows:
-            raise PipelineError(
-                f"mask_token_id {mask_token_id} is not a row of the target's embedding (0..{self.vocab_rows - 1})"
-            )
-
-
-def read_target_config(model_dir: str | Path) -> dict:
-    path = Path(model_dir) / "config.json"
-    if not path.exists():
-        raise PipelineError(f"{path}: target config.json not found")
-    return json.loads(path.read_text())
-
-
-def _safetensor_files(model_dir: Path) -> dict[str, Path]:
-    """tensor name -> file, for single-file and sharded (index.json) checkpoints."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / fname for name, fname in weight_map.items()}
-    single = model_dir / "model.safetensors"
-    if not single.exists():
-        raise PipelineError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as fh:
-        return {name: single for name in fh.keys()}
-
-
-def load_target_head(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> TargetHead:
-    """Read only the embedding and LM head tensors from the target's safetensors (not the whole model)."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    cfg = read_target_config(model_dir)
-    tc = cfg.get("text_config") or cfg
-    files = _safetensor_files(model_dir)
-    embed_names = [n for n in files if n.endswith("embed_tokens.weight")]
-    if not embed_names:
-        raise PipelineError(f"{model_dir}: no *embed_tokens.weight tensor in the checkpoint")
-    embed_name = sorted(embed_names, key=len)[0]
-    head_names = [n for n in files if n.endswith("lm_head.weight")]
-    tied = bool(cfg.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))) or not head_names
-
-    def load(name):
-        with safe_open(str(files[name]), framework="pt") as fh:
-            return fh.get_tensor(name).to(dtype)
-
-    embed = load(embed_name)
-    head = None if tied else load(sorted(head_names, key=len)[0])
-    return TargetHead(embed, head)
-
-
-def resolve_mask_token_id(model_dir: str | Path, configured: int | None, vocab_rows: int) -> int:
-    """The configured id; else `demo_target.json`'s; else the first embedding row past the tokenizer."""
-    model_dir = Path(model_dir)
-    if configured is not None:
-        return int(configured)
-    demo = model_dir / "demo_target.json"
-    if demo.exists():
-        return int(json.loads(demo.read_text())["mask_token_id"])
-    try:
-        from transformers import AutoTokenizer
-
-        n_tok = len(AutoTokenizer.from_pretrained(str(model_dir)))
-    except Exception as exc:  # noqa: BLE001 - the message below says what to do
-        raise PipelineError(f"drafter.mask_token_id is not set and the tokenizer could not be read: {exc}")
-    if n_tok >= vocab_rows:
-        raise PipelineError(
-            f"drafter.mask_token_id is not set and the embedding has no spare row past the tokenizer "
-            f"({n_tok} tokens, {vocab_rows} rows): set drafter.mask_token_id to a token id the drafter may use"
-        )
-    return n_tok
-
-
-def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
-    """w_k = exp(-(k-1)/gamma) for block positions k >= 1; position 0 (the anchor) has weight 0."""
-    k = torch.arange(block_size, device=device, dtype=torch.float32)
-    w = torch.exp(-(k - 1).clamp(min=0) / float(gamma)) if gamma and gamma > 0 else torch.ones_like(k)
-    w[0] = 0.0
-    return w
-
-
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-
-def make_readable(directory: str | Path) -> None:
-    """Give a directory made by `atomic_dir` (mkdtemp: 0700) and its files the usual umask permissions."""
-    import os
-
-    mask = os.umask(0)
-    os.umask(mask)
-    directory = Path(directory)
-    os.chmod(directory, 0o777 & ~mask)
-    for f in directory.iterdir():
-        if f.is_file():
-            os.chmod(f, 0o666 & ~mask)

@@ -1,0 +1,100 @@
+"""One forward of all blocks of a batch and the DFlash loss.
+
+Same-position labels: block position k predicts token anchor + k; position 0 is the anchor and is not
+scored; labels must be supervised and inside the sequence. Cross-entropy weighted by
+w_k = exp(-(k-1)/gamma), normalized by the sum of weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash_pipeline.drafter.batch import Batch
+from dflash_pipeline.drafter.masks import dense_block_mask, flex_block_mask
+from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.target_head import TargetHead
+
+
+def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for block positions k >= 1; position 0 (the anchor) has weight 0."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - 1).clamp(min=0) / float(gamma)) if gamma and gamma > 0 else torch.ones_like(k)
+    w[0] = 0.0
+    return w
+
+
+@dataclass
+class BlockLoss:
+    loss: torch.Tensor               # scalar, weighted mean CE
+    weight_sum: float
+    count: torch.Tensor              # [bs] scored labels per block position
+    correct: torch.Tensor            # [bs] argmax == label per block position
+    ce_sum: torch.Tensor             # [bs] summed CE per block position
+    scored_tokens: int
+    block_tokens: int
+
+
+def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features: torch.Tensor, gamma: float,
+               attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
+               labels: torch.Tensor | None = None) -> BlockLoss:
+    """One forward of all blocks of the batch and the decay-weighted same-position cross-entropy.
+
+    `labels` [B, S]: the token expected at each position (default: the data, `batch.input_ids`); block
+    position k of the block anchored at p is scored against labels[p + k].
+    """
+    bs = drafter.config.block_size
+    hidden = draft_all_blocks(drafter, head, batch, features, attention, compute_dtype)   # [B, N*bs, H]
+    y, w, pos_k, sel = scored_labels(batch, batch.input_ids if labels is None else labels, bs, gamma)
+    b, n = batch.anchors.shape
+    if int(sel.sum()) == 0:
+        z = torch.zeros(bs, device=hidden.device)
+        return BlockLoss(hidden.sum() * 0.0, 0.0, z, z.clone(), z.clone(), 0, b * n * bs)
+    logits = head.lm_head(hidden.reshape(-1, hidden.shape[-1])[sel])
+    ce = F.cross_entropy(logits.float(), y, reduction="none")
+    wsum = w.sum()
+    loss = (ce * w).sum() / wsum
+    with torch.no_grad():
+        def per_position(values):
+            return torch.zeros(bs, device=ce.device).index_add_(0, pos_k, values)
+
+        count, correct = per_position(torch.ones_like(ce)), per_position((logits.argmax(-1) == y).float())
+        ce_sum = per_position(ce.detach())
+    return BlockLoss(loss, float(wsum), count, correct, ce_sum, int(sel.sum()), int(batch.block_valid.sum()) * bs)
+
+
+def draft_all_blocks(drafter, head: TargetHead, batch: Batch, features: torch.Tensor, attention: str,
+                     compute_dtype: torch.dtype | None) -> torch.Tensor:
+    """Drafter hidden states of every block `[anchor, MASK x (bs-1)]` of the batch, in one forward."""
+    cfg = drafter.config
+    bs, ids, anchors, valid = cfg.block_size, batch.input_ids, batch.anchors, batch.block_valid
+    b, s = ids.shape
+    n, dev = anchors.shape[1], ids.device
+    noise = torch.full((b, n, bs), cfg.mask_token_id, dtype=torch.long, device=dev)
+    noise[:, :, 0] = torch.where(valid, ids.gather(1, anchors), torch.full_like(anchors, cfg.mask_token_id))
+    dtype = compute_dtype or head.embed.weight.dtype
+    emb = head.embed(noise.view(b, n * bs)).to(dtype)
+    ctx_pos = torch.arange(s, device=dev).expand(b, s)
+    blk_pos = (anchors[:, :, None] + torch.arange(bs, device=dev)).view(b, n * bs)
+    make_mask = flex_block_mask if attention == "flex" else dense_block_mask
+    return drafter(emb, features.to(dtype), ctx_pos, blk_pos, make_mask(anchors, valid, s, bs))
+
+
+def scored_labels(batch: Batch, labels: torch.Tensor, bs: int, gamma: float):
+    """(labels, weights, block positions, selection) of the scored block tokens, flattened: position k of
+    a valid block anchored at p is scored when p + k is inside the sequence and supervised."""
+    anchors, dev = batch.anchors, batch.anchors.device
+    b, n = anchors.shape
+    s = labels.shape[1]
+    k = torch.arange(bs, device=dev)
+    label_pos = anchors[:, :, None] + k                                       # [B, N, bs]
+    in_range = label_pos < batch.lengths[:, None, None]
+    safe = label_pos.clamp(max=s - 1).view(b, n * bs)
+    picked = labels.gather(1, safe).view(-1)
+    supervised = batch.loss_mask.gather(1, safe).view(b, n, bs) > 0
+    decay = decay_weights(bs, gamma, device=dev)                              # decay[0] == 0
+    weights = ((batch.block_valid[:, :, None] & in_range & supervised).float() * decay).view(-1)
+    sel = weights > 0
+    return picked[sel], weights[sel], k.expand(b, n, bs).reshape(-1)[sel], sel

@@ -1,0 +1,114 @@
+"""Training metrics: per-step statistics summed over micro-batches and ranks, the live metrics log
+(`metrics.jsonl`: loss, accuracy, lr, and loss/accuracy per block position), the summary and the plot."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_pipeline import storage
+
+log = logging.getLogger("dflash_pipeline.drafter.train")
+
+
+class StepMetrics:
+    """Sums of the loss statistics since the last logged step, on the training device."""
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.bs, self.device = block_size, device
+        self.stats = torch.zeros(3 * block_size + 3, device=device)  # count, correct, ce | loss*w, w, tokens
+        self.t_last = time.perf_counter()
+
+    def add(self, out, num_tokens: int) -> None:
+        bs = self.bs
+        self.stats[:bs] += out.count
+        self.stats[bs:2 * bs] += out.correct
+        self.stats[2 * bs:3 * bs] += out.ce_sum
+        self.stats[3 * bs:] += torch.stack([out.loss.detach() * out.weight_sum,
+                                            torch.tensor(out.weight_sum, device=self.device),
+                                            torch.tensor(float(num_tokens), device=self.device)])
+
+    def record(self, dist_, step: int, epoch: float, lr: float, grad_norm) -> dict:
+        """The log record of `step` (sums over all ranks); resets the sums."""
+        bs = self.bs
+        stats = dist_.all_sum(self.stats.clone())
+        cnt, cor, ce = stats[:bs], stats[bs:2 * bs], stats[2 * bs:3 * bs]
+        lsum, wsum, toks = stats[3 * bs], stats[3 * bs + 1], stats[3 * bs + 2]
+        elapsed = time.perf_counter() - self.t_last
+        self.stats.zero_()
+        self.t_last = time.perf_counter()
+        return {
+            "step": step, "epoch": round(epoch, 3), "lr": lr,
+            "loss": float(lsum / wsum.clamp(min=1e-9)),
+            "accuracy": float(cor[1:].sum() / cnt[1:].sum().clamp(min=1)),
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": float(toks) / max(elapsed, 1e-9),
+            "acc_per_position": [None if c == 0 else float(a / c) for a, c in zip(cor.tolist(), cnt.tolist())],
+            "loss_per_position": [None if c == 0 else float(e / c) for e, c in zip(ce.tolist(), cnt.tolist())],
+            "count_per_position": [int(c) for c in cnt.tolist()],
+        }
+
+
+def append_record(path: Path, rec: dict, total_steps: int) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")
+    log.info("step %d/%d epoch %.2f loss %.4f acc %.3f lr %.2e %.0f tok/s", rec["step"], total_steps,
+             rec["epoch"], rec["loss"], rec["accuracy"], rec["lr"], rec["tokens_per_s"])
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def summarize(records: list[dict], dcfg, args, total_steps: int, n_samples: int, wall: float, start_step: int) -> dict:
+    last = records[-max(1, min(len(records), 5)):]
+    cnt = [sum(r["count_per_position"][k] for r in last) for k in range(dcfg.block_size)]
+
+    def avg(key, k):
+        num = sum((r[key][k] or 0.0) * r["count_per_position"][k] for r in last)
+        return None if cnt[k] == 0 else num / cnt[k]
+
+    return {
+        "mode": args.mode, "labels": args.labels, "steps": total_steps, "samples": n_samples, "target_layer_ids": dcfg.target_layer_ids,
+        "num_layers": dcfg.num_hidden_layers, "block_size": dcfg.block_size, "mask_token_id": dcfg.mask_token_id,
+        "final_loss": records[-1]["loss"] if records else None,
+        "final_accuracy": records[-1]["accuracy"] if records else None,
+        "final_acc_per_position": [avg("acc_per_position", k) for k in range(dcfg.block_size)],
+        "final_loss_per_position": [avg("loss_per_position", k) for k in range(dcfg.block_size)],
+        "wall_seconds_this_run": round(wall, 2), "resumed_from_step": start_step,
+    }
+
+
+def plot_metrics(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    if records:
+        steps = [r["step"] for r in records]
+        axes[0].plot(steps, [r["loss"] for r in records], label="loss (decay-weighted)")
+        axes[0].plot(steps, [r["accuracy"] for r in records], label="accuracy")
+        axes[0].set_xlabel("step")
+        axes[0].legend()
+        axes[0].set_title("training")
+        picks = sorted({0, len(records) // 2, len(records) - 1})
+        for i in picks:
+            r = records[i]
+            ks = [k for k, v in enumerate(r["acc_per_position"]) if v is not None]
+            axes[1].plot(ks, [r["acc_per_position"][k] for k in ks], marker="o", label=f"step {r['step']}")
+            axes[2].plot(ks, [r["loss_per_position"][k] for k in ks], marker="o", label=f"step {r['step']}")
+    axes[1].set_title("accuracy per block position")
+    axes[2].set_title("cross-entropy per block position")
+    for ax in axes[1:]:
+        ax.set_xlabel("position in block (k)")
+        ax.legend()
+    fig.tight_layout()
+    with storage.atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=90)
+    plt.close(fig)
