@@ -107,3 +107,19 @@ def test_snakemake_failed_gate_stops_the_run(tmp_path):
     assert plan.returncode == 0 and time.time() - t1 < 30
     assert "gate" in plan.stdout
     assert time.time() - t0 < 300
+
+
+def test_every_record_quarantined_gate_says_too_few_samples(tmp_path):
+    """0 shards: the audit gets no per-shard files (the rule passes `--audits` with nothing after it)."""
+    raw = tmp_path / "bad.jsonl"
+    raw.write_text('{"id": 1, "conversations": []}\nnot json\n')
+    ingest_file(str(raw), str(tmp_path / "bad.parquet"), str(tmp_path / "bad.stats.json"), str(tmp_path / "q.jsonl"))
+    write_json(tmp_path / "manifest.json", build_manifest([str(tmp_path / "bad.parquet")],
+                                                          [str(tmp_path / "bad.stats.json")], shard_size=8))
+    thresholds = yaml.safe_load((REPO / "config/config.yaml").read_text())["audit"]
+    proc = run_cli("audit", "--audits", "--manifest", tmp_path / "manifest.json", "--thresholds", json.dumps(thresholds),
+                   "--out", tmp_path / "report.json", "--html", tmp_path / "report.html", check=False)
+    assert proc.returncode == 0, proc.stderr
+    gate = run_cli("gate", "--report", tmp_path / "report.json", "--out", tmp_path / "gate.ok", check=False)
+    assert gate.returncode == 1 and "0 samples: too few samples survived ingest" in gate.stderr
+    assert "100.0% of records read were quarantined" in gate.stderr

@@ -18,39 +18,59 @@ import json
 import sys
 from collections import Counter
 
+from dflash_pipeline.data.audit_stats import TEXTS_KEPT, HashCounter, Histogram
 from dflash_pipeline.storage import atomic_open, read_json, write_json
 
 RESPONSE_CHECKS = {"trivial", "empty", "no_supervision", "placeholder", "truncated", "not_ending_with_assistant"}
+HISTOGRAMS = ("loss_tokens", "length", "turns", "assistant_turns", "response_tokens")
+TOP_ANSWERS = 50
 
 
-def aggregate(audit_paths: list[str], manifest: dict) -> dict:
-    totals = Counter()
-    roles, answers, failures = Counter(), Counter(), Counter()
-    per_sample = {k: [] for k in ("loss_tokens", "length", "turns", "assistant_turns", "response_tokens")}
-    settings = None
+class _Merged:
+    """Per-shard audits merged one file at a time: counters, histograms and answer-hash counts."""
+
+    def __init__(self):
+        self.totals: Counter[str] = Counter()
+        self.roles, self.failures = Counter(), Counter()
+        self.hist = {k: Histogram() for k in HISTOGRAMS}
+        self.answers = HashCounter()
+        self.texts: dict[str, str] = {}
+        self.rejected: list[dict] = []
+        self.settings: dict | None = None
+
+    def add(self, a: dict) -> None:
+        self.settings = self.settings or a["settings"]
+        for key in ("samples", "tokens", "loss_tokens", "generation_failed"):
+            self.totals[key] += a.get(key, 0)
+        self.totals.update(a["counts"])
+        self.failures.update(a.get("generation_failure_reasons", {}))
+        self.roles.update(a["roles"])
+        for k in HISTOGRAMS:
+            self.hist[k].merge_json(a["histograms"][k])
+        self.answers.add_many(a["answer_hashes"])
+        for h, text in a["answer_texts"].items():
+            if len(self.texts) < TEXTS_KEPT:
+                self.texts.setdefault(h, text)
+        self.rejected.extend(a.get("rejected_examples", [])[:max(0, 20 - len(self.rejected))])
+
+
+def aggregate(audit_paths: list[str], manifest: dict, min_repeats: int) -> dict:
+    merged = _Merged()
     for path in audit_paths:
-        a = read_json(path)
-        settings = settings or a["settings"]
-        totals["samples"] += a["samples"]
-        totals["tokens"] += a["tokens"]
-        totals["loss_tokens"] += a["loss_tokens"]
-        totals["generation_failed"] += a.get("generation_failed", 0)
-        failures.update(a.get("generation_failure_reasons", {}))
-        totals.update(a["counts"])
-        roles.update(a["roles"])
-        answers.update(a["answers"])
-        for k in per_sample:
-            per_sample[k].extend(a["per_sample"][k])
+        merged.add(read_json(path))
+    repeated, top = merged.answers.summarize(min_repeats, TOP_ANSWERS)
     quarantine = Counter()
     for f in manifest["files"]:
         quarantine.update(f["quarantine_reasons"])
     return {
-        "totals": dict(totals),
-        "roles": dict(roles),
-        "answers": answers,
-        "per_sample": per_sample,
-        "settings": settings or {},
-        "generation_failure_reasons": dict(failures),
+        "totals": dict(merged.totals),
+        "roles": dict(merged.roles),
+        "top_answers": [{"answer": merged.texts.get(h, f"(long answer {h})"), "samples": c} for h, c in top],
+        "placeholder_samples": repeated,
+        "histograms": {k: h.to_json() for k, h in merged.hist.items()},
+        "settings": merged.settings or {},
+        "generation_failure_reasons": dict(merged.failures),
+        "rejected_examples": merged.rejected,
         "ingest": {
             "totals": manifest["totals"],
             "files": manifest["files"],
@@ -60,44 +80,44 @@ def aggregate(audit_paths: list[str], manifest: dict) -> dict:
     }
 
 
-def evaluate_checks(agg: dict, thresholds: dict, mode: str) -> list[dict]:
-    t = agg["totals"]
-    n = max(t.get("samples", 0), 1)
-    ingest = agg["ingest"]["totals"]
-    read = max(ingest["records_read"], 1)
+def _check_specs(agg: dict, thresholds: dict) -> list[tuple]:
+    t, ingest = agg["totals"], agg["ingest"]["totals"]
+    n, read = max(t.get("samples", 0), 1), max(ingest["records_read"], 1)
     trivial_tokens = agg["settings"].get("trivial_tokens", thresholds.get("trivial_response_tokens", 6))
     min_repeats = thresholds["placeholder_min_repeats"]
-    placeholders = [(a, c) for a, c in agg["answers"].most_common(20) if c >= min_repeats]
-    placeholder_samples = sum(c for a, c in agg["answers"].items() if c >= min_repeats)
-
-    def frac(x):
-        return x / n
-
-    checks = [
+    placeholders = [a["answer"] for a in agg["top_answers"][:3] if a["samples"] >= min_repeats]
+    return [
         ("min_samples", t.get("samples", 0), thresholds["min_samples"], ">=",
          "||too few samples survived ingest and tokenization: check the inputs and the quarantine file"),
-        ("trivial", frac(t.get("trivial", 0)), thresholds["max_trivial_fraction"], "<=",
+        ("trivial", t.get("trivial", 0) / n, thresholds["max_trivial_fraction"], "<=",
          f"of samples have trivial responses (no turn over {trivial_tokens} supervised tokens, e.g. a bare 'OK.')||"
          "regenerate the responses with the target (generate.enabled: true) or filter these samples"),
-        ("no_supervision", frac(t.get("no_supervision", 0)), thresholds["max_trivial_fraction"], "<=",
+        ("no_supervision", t.get("no_supervision", 0) / n, thresholds["max_trivial_fraction"], "<=",
          "of samples have no supervised token at all||no assistant turn lies inside max_length: raise it or filter"),
-        ("empty", frac(t.get("empty_response", 0)), thresholds["max_empty_fraction"], "<=",
+        ("empty", t.get("empty_response", 0) / n, thresholds["max_empty_fraction"], "<=",
          "of samples contain an empty assistant response||regenerate or filter them"),
-        ("placeholder", frac(placeholder_samples), thresholds["max_placeholder_fraction"], "<=",
+        ("placeholder", agg["placeholder_samples"] / n, thresholds["max_placeholder_fraction"], "<=",
          f"of samples end with an answer repeated in >= {min_repeats} samples (placeholders such as "
-         f"{', '.join(repr(a) for a, _ in placeholders[:3]) or 'none'})||regenerate the responses"),
-        ("truncated", frac(t.get("truncated", 0)), thresholds["max_truncated_fraction"], "<=",
+         f"{', '.join(map(repr, placeholders)) or 'none'})||regenerate the responses"),
+        ("truncated", t.get("truncated", 0) / n, thresholds["max_truncated_fraction"], "<=",
          "of samples are longer than tokenize.max_length and were truncated||raise max_length or filter"),
-        ("not_ending_with_assistant", frac(t.get("not_ending_with_assistant", 0)),
+        ("not_ending_with_assistant", t.get("not_ending_with_assistant", 0) / n,
          thresholds["max_not_ending_with_assistant_fraction"], "<=",
          "of conversations do not end with an assistant turn||their last user turn trains nothing"),
+        ("control_tokens", t.get("control_tokens", 0) / max(n + t.get("control_tokens", 0), 1),
+         thresholds["max_quarantine_fraction"], "<=",
+         "of samples were left out because their text contains the template's control tokens (e.g. "
+         "'<|im_end|>')||see rejected_examples in the report"),
         ("duplicates", ingest["duplicates"] / read, thresholds["max_duplicate_fraction"], "<=",
          "of records read were exact duplicates (dropped)||check that inputs are not listed twice"),
         ("quarantined", ingest["quarantined"] / read, thresholds["max_quarantine_fraction"], "<=",
          "of records read were quarantined as malformed||see the quarantine files for reasons"),
     ]
+
+
+def evaluate_checks(agg: dict, thresholds: dict, mode: str) -> list[dict]:
     out = []
-    for name, value, limit, op, message in checks:
+    for name, value, limit, op, message in _check_specs(agg, thresholds):
         ok = value >= limit if op == ">=" else value <= limit
         status = "pass" if ok else ("warn" if mode == "prompts" and name in RESPONSE_CHECKS else "fail")
         shown = f"{value:.1%}" if isinstance(value, float) else str(value)
@@ -114,12 +134,11 @@ def evaluate_checks(agg: dict, thresholds: dict, mode: str) -> list[dict]:
 
 
 def build_report(audit_paths, manifest_path, thresholds, mode, dataset) -> dict:
-    manifest = read_json(manifest_path)
-    agg = aggregate(audit_paths, manifest)
+    min_repeats = thresholds["placeholder_min_repeats"]
+    agg = aggregate(audit_paths, read_json(manifest_path), min_repeats)
     checks = evaluate_checks(agg, thresholds, mode)
     t = agg["totals"]
     n = max(t.get("samples", 0), 1)
-    min_repeats = thresholds["placeholder_min_repeats"]
     return {
         "dataset": dataset,
         "mode": mode,
@@ -129,15 +148,37 @@ def build_report(audit_paths, manifest_path, thresholds, mode, dataset) -> dict:
         "fractions": {k: t.get(k, 0) / n for k in ("trivial", "no_supervision", "empty_response", "truncated",
                                                   "not_ending_with_assistant", "system_prompt")},
         "roles": agg["roles"],
-        "top_answers": [{"answer": a, "samples": c} for a, c in agg["answers"].most_common(20)],
-        "placeholder_answers": [{"answer": a, "samples": c} for a, c in agg["answers"].most_common()
-                                if c >= min_repeats][:50],
+        "top_answers": agg["top_answers"][:20],
+        "placeholder_answers": [a for a in agg["top_answers"] if a["samples"] >= min_repeats],
+        "placeholder_samples": agg["placeholder_samples"],
+        "rejected_examples": agg["rejected_examples"],
         "generation_failure_reasons": agg["generation_failure_reasons"],
         "ingest": agg["ingest"],
-        "per_sample": agg["per_sample"],
+        "histograms": agg["histograms"],
         "settings": agg["settings"],
         "thresholds": thresholds,
     }
+
+
+def _hist_figure(plt, hist: dict, title: str, xlabel: str):
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    if hist:
+        values, counts = [int(k) for k in hist], list(hist.values())
+        bins = min(60, max(5, len(values)))
+        ax.hist(values, bins=bins, weights=counts, color="#3b6ea5")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("samples")
+    return fig
+
+
+def _bar_figure(plt, counts: dict, title: str):
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    items = sorted(counts.items(), key=lambda kv: -kv[1])[:12]
+    ax.barh([str(k)[:40] for k, _ in items][::-1], [v for _, v in items][::-1], color="#a5573b")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
 
 
 def _plots(report: dict) -> list[tuple[str, str]]:
@@ -146,41 +187,26 @@ def _plots(report: dict) -> list[tuple[str, str]]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ps = report["per_sample"]
-    figs = []
-
-    def hist(values, title, xlabel, log=False):
-        fig, ax = plt.subplots(figsize=(5.5, 3.2))
-        if values:
-            ax.hist(values, bins=min(60, max(5, len(set(values)))), color="#3b6ea5", log=log)
-        ax.set_title(title)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("samples")
-        return fig
-
-    def bars(counts: dict, title):
-        fig, ax = plt.subplots(figsize=(5.5, 3.2))
-        items = sorted(counts.items(), key=lambda kv: -kv[1])[:12]
-        ax.barh([str(k)[:40] for k, _ in items][::-1], [v for _, v in items][::-1], color="#a5573b")
-        ax.set_title(title)
-        fig.tight_layout()
-        return fig
-
-    fig = hist(ps["loss_tokens"], "Supervised tokens per sample", "tokens")
+    h, t = report["histograms"], report["totals"]
+    fig = _hist_figure(plt, h["loss_tokens"], "Supervised tokens per sample", "tokens")
     trivial = report["settings"].get("trivial_tokens")
     if trivial is not None:  # where trivial answers pile up (a bare `OK.` turn sits at or left of the line)
         fig.axes[0].axvline(trivial + 0.5, color="#b3261e", linestyle="--", label=f"trivial (<= {trivial})")
         fig.axes[0].legend()
-    figs.append(("Loss-mask sum per sample (supervised tokens)", fig))
-    figs.append(("Response length per assistant turn", hist(ps["response_tokens"], "Response tokens per assistant turn", "tokens")))
-    figs.append(("Turns per conversation", hist(ps["turns"], "Messages per conversation", "messages")))
-    figs.append(("Sequence length", hist(ps["length"], "Tokens per sample (after truncation)", "tokens")))
-    t = report["totals"]
-    figs.append(("Truncation", bars({"truncated": t.get("truncated", 0),
-                                     "complete": t.get("samples", 0) - t.get("truncated", 0)}, "Truncation")))
-    figs.append(("Role counts", bars(report["roles"], "Messages by role")))
-    figs.append(("Quarantine reasons", bars(report["ingest"]["quarantine_reasons"] or {"none": 0}, "Quarantined records")))
-    figs.append(("Most repeated final answers", bars({a["answer"]: a["samples"] for a in report["top_answers"][:10]}, "Final answers")))
+    figs = [
+        ("Loss-mask sum per sample (supervised tokens)", fig),
+        ("Response length per assistant turn",
+         _hist_figure(plt, h["response_tokens"], "Response tokens per assistant turn", "tokens")),
+        ("Turns per conversation", _hist_figure(plt, h["turns"], "Messages per conversation", "messages")),
+        ("Sequence length", _hist_figure(plt, h["length"], "Tokens per sample (after truncation)", "tokens")),
+        ("Truncation", _bar_figure(plt, {"truncated": t.get("truncated", 0),
+                                         "complete": t.get("samples", 0) - t.get("truncated", 0)}, "Truncation")),
+        ("Role counts", _bar_figure(plt, report["roles"], "Messages by role")),
+        ("Quarantine reasons", _bar_figure(plt, report["ingest"]["quarantine_reasons"] or {"none": 0},
+                                           "Quarantined records")),
+        ("Most repeated final answers",
+         _bar_figure(plt, {a["answer"]: a["samples"] for a in report["top_answers"][:10]}, "Final answers")),
+    ]
     out = []
     for title, fig in figs:
         buf = io.BytesIO()
@@ -223,7 +249,8 @@ figure{{display:inline-block;margin:0.5em}}h1 span{{color:{color}}}</style></hea
 
 
 def add_audit_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--audits", nargs="+", required=True, help="per-shard audit JSON files")
+    # zero audits is legal (every record quarantined): the gate then says "too few samples"
+    p.add_argument("--audits", nargs="*", default=[], help="per-shard audit JSON files")
     p.add_argument("--manifest", required=True)
     p.add_argument("--thresholds", required=True, help="the config's audit section (JSON)")
     p.add_argument("--mode", choices=["full", "prompts"], default="full")

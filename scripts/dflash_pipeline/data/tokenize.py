@@ -1,15 +1,19 @@
 """Tokenize one shard of conversations with the target's chat template and an assistant-only loss mask.
 
 Writes the token shard (sample_id, input_ids, loss_mask, length, num_loss_tokens, truncated) and the
-shard's audit: per-sample numbers the audit stage aggregates (loss-mask sums, response lengths, turns,
-truncation, roles, final answers for placeholder detection). For completions shards, rows whose
-generation failed are not tokenized; they are counted with their reasons.
+shard's audit: counts, binned histograms (loss-mask sums, lengths, turns, response lengths) and exact counts
+of final-answer hashes, all bounded by the shard's size, which the audit stage merges. For completions
+shards, rows whose generation failed are not tokenized; they are counted with their reasons.
+
+Message text that contains the tokenizer's control tokens (`<|im_end|>`, `<|im_start|>`, `<|endoftext|>`:
+special added tokens other than the thinking tags) would be encoded as those very tokens, letting a user
+forge turns. Such samples are left out of the token shard and counted with a reason (`control_tokens` in the
+audit, with examples); the thinking tags stay allowed, they are how inline reasoning is written.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -17,11 +21,12 @@ import re
 import time
 from collections import Counter
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_pipeline.data.audit_stats import Histogram, answer_hash, answer_key
 from dflash_pipeline.storage import atomic_path, write_json
+from dflash_pipeline.target import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -35,21 +40,134 @@ TOKENS_SCHEMA = pa.schema(
         ("truncated", pa.bool_()),
     ]
 )
-ANSWER_KEY_CHARS = 80
+COUNTS = ("truncated", "trivial", "no_supervision", "empty_response", "not_ending_with_assistant", "system_prompt",
+          "closing_missing", "control_tokens")
+HISTOGRAMS = ("loss_tokens", "length", "turns", "assistant_turns", "response_tokens")
+REASONING_TAGS = ("<think>", "</think>")
+TEXTS_PER_SHARD = 50  # answer texts kept per shard for the report (the most repeated ones)
+EXAMPLES = 20
 
 
-def answer_key(text: str) -> str:
-    """Normalized final answer: short answers verbatim (readable in the report), long ones hashed."""
-    norm = re.sub(r"\s+", " ", text.strip().lower())
-    if len(norm) <= ANSWER_KEY_CHARS:
-        return norm
-    return "sha:" + hashlib.blake2b(norm.encode("utf-8"), digest_size=8).hexdigest()
+def control_token_pattern(tokenizer) -> re.Pattern | None:
+    """A regex of the tokenizer's special added tokens that message text must not contain."""
+    tokens = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    tokens |= set(tokenizer.all_special_tokens)
+    tokens -= set(REASONING_TAGS)
+    tokens = sorted((t for t in tokens if t), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, tokens))) if tokens else None
 
 
-def load_tokenizer(model_dir: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
+def forged_turn(messages: list[dict], pattern: re.Pattern | None) -> str | None:
+    """The reason a conversation's text would be encoded with control tokens, or None."""
+    if pattern is None:
+        return None
+    for i, m in enumerate(messages):
+        for field in ("content", "reasoning_content"):
+            hit = pattern.search(m.get(field) or "")
+            if hit:
+                return f"message {i} ({m['role']}) {field} contains the control token {hit.group()!r}"
+    return None
 
-    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+
+class ShardAudit:
+    """Per-shard audit numbers; everything is bounded by the shard's size (the audit stage merges them)."""
+
+    def __init__(self, trivial_tokens: int):
+        self.trivial_tokens = trivial_tokens
+        self.counts: Counter[str] = Counter()
+        self.roles: Counter[str] = Counter()
+        self.answers: Counter[str] = Counter()  # answer hash -> samples
+        self.texts: dict[str, str] = {}  # answer hash -> short answer text
+        self.hist = {k: Histogram() for k in HISTOGRAMS}
+        self.samples = self.tokens = self.loss_tokens = 0
+        self.examples: list[dict] = []
+
+    def add(self, messages: list[dict], sample) -> None:
+        n_loss, assistant = int(sum(sample.loss_mask)), [m for m in messages if m["role"] == "assistant"]
+        self.samples += 1
+        self.tokens += len(sample.input_ids)
+        self.loss_tokens += n_loss
+        for key, value in (("loss_tokens", n_loss), ("length", len(sample.input_ids)), ("turns", len(messages)),
+                           ("assistant_turns", len(assistant))):
+            self.hist[key].add(value)
+        for n in sample.turn_tokens:
+            self.hist["response_tokens"].add(n)
+        self.roles.update(m["role"] for m in messages)
+        self._count(messages, assistant, sample, n_loss)
+        if assistant:
+            key = answer_key(assistant[-1]["content"] or "")
+            h = answer_hash(key)
+            self.answers[h] += 1
+            if not key.startswith("sha:"):
+                self.texts.setdefault(h, key)
+
+    def _count(self, messages, assistant, sample, n_loss) -> None:
+        c = self.counts
+        c["truncated"] += sample.truncated
+        # trivial: no assistant turn carries more than a few supervised tokens (e.g. every answer `OK.`)
+        c["trivial"] += max(sample.turn_tokens, default=0) <= self.trivial_tokens
+        c["no_supervision"] += n_loss == 0
+        c["empty_response"] += any(not (m["content"] or "").strip() and not (m.get("reasoning_content") or "").strip()
+                                   for m in assistant)
+        c["not_ending_with_assistant"] += messages[-1]["role"] != "assistant"
+        c["system_prompt"] += messages[0]["role"] == "system"
+        c["closing_missing"] += not sample.closing_found
+
+    def reject(self, sample_id: str, reason: str) -> None:
+        self.counts["control_tokens"] += 1
+        if len(self.examples) < EXAMPLES:
+            self.examples.append({"sample_id": sample_id, "reason": reason})
+
+    def to_json(self) -> dict:
+        top = [h for h, _ in self.answers.most_common(TEXTS_PER_SHARD)]
+        return {
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "loss_tokens": self.loss_tokens,
+            "counts": {k: int(self.counts[k]) for k in COUNTS},
+            "rejected_examples": self.examples,
+            "roles": dict(self.roles),
+            "histograms": {k: h.to_json() for k, h in self.hist.items()},
+            "answer_hashes": dict(self.answers),
+            "answer_texts": {h: self.texts[h] for h in top if h in self.texts},
+        }
+
+
+def successful_rows(table: pa.Table) -> tuple[pa.Table, Counter]:
+    """A completions shard's rows whose generation succeeded (only those are training data), and why the
+    others failed; an ingested shard is returned whole."""
+    failed: Counter[str] = Counter()
+    if "status" not in table.column_names:
+        return table, failed
+    status = table.column("status").to_pylist()
+    reasons = (table.column("failure_reason").to_pylist() if "failure_reason" in table.column_names
+               else [None] * len(status))
+    for st, why in zip(status, reasons):
+        if st != "ok":
+            failed[why or st or "unknown"] += 1
+    return table.filter(pa.array([st == "ok" for st in status])), failed
+
+
+def _encode_batch(masker, ids: list[str], conversations: list[list[dict]], audit: ShardAudit,
+                  pattern) -> pa.Table | None:
+    """One batch of conversations -> token rows; samples with forged control tokens are left out."""
+    keep = []
+    for sid, messages in zip(ids, conversations):
+        reason = forged_turn(messages, pattern)
+        if reason:
+            audit.reject(sid, reason)
+        else:
+            keep.append((sid, messages))
+    if not keep:
+        return None
+    cols = {name: [] for name in TOKENS_SCHEMA.names}
+    for (sid, messages), sample in zip(keep, masker.encode([m for _, m in keep])):
+        audit.add(messages, sample)
+        for name, value in (("sample_id", sid), ("input_ids", sample.input_ids), ("loss_mask", sample.loss_mask),
+                            ("length", len(sample.input_ids)), ("num_loss_tokens", int(sum(sample.loss_mask))),
+                            ("truncated", sample.truncated)):
+            cols[name].append(value)
+    return pa.Table.from_pydict(cols, schema=TOKENS_SCHEMA)
 
 
 def tokenize_shard(input_path: str, model_dir: str, out_tokens: str, out_audit: str, max_length: int,
@@ -58,77 +176,30 @@ def tokenize_shard(input_path: str, model_dir: str, out_tokens: str, out_audit: 
     from dflash_pipeline.data.chat_masking import ChatMasker
 
     t0 = time.perf_counter()
-    table = pq.read_table(input_path)
-    tokenizer = load_tokenizer(model_dir, trust_remote_code)
+    table, failed = successful_rows(pq.read_table(input_path))
+    tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     masker = ChatMasker(tokenizer, enable_thinking=enable_thinking, max_length=max_length)
-
-    failed: Counter[str] = Counter()
-    if "status" in table.column_names:  # a completions shard: only successful generations are training data
-        status = table.column("status").to_pylist()
-        reasons = table.column("failure_reason").to_pylist() if "failure_reason" in table.column_names else [None] * len(status)
-        for st, why in zip(status, reasons):
-            if st != "ok":
-                failed[why or st or "unknown"] += 1
-        table = table.filter(pa.array([st == "ok" for st in status]))
-
+    pattern = control_token_pattern(tokenizer)
+    audit = ShardAudit(trivial_tokens)
     ids = table.column("sample_id").to_pylist()
-    conversations = table.column("messages").to_pylist()
-    cols = {name: [] for name in TOKENS_SCHEMA.names}
-    per_sample = {k: [] for k in ("loss_tokens", "length", "turns", "assistant_turns", "response_tokens")}
-    roles: Counter[str] = Counter()
-    answers: Counter[str] = Counter()
-    counts = Counter()
-    for lo in range(0, len(conversations), batch_size):
-        batch = conversations[lo:lo + batch_size]
-        for sid, messages, sample in zip(ids[lo:lo + batch_size], batch, masker.encode(batch)):
-            n_loss = int(sum(sample.loss_mask))
-            cols["sample_id"].append(sid)
-            cols["input_ids"].append(sample.input_ids)
-            cols["loss_mask"].append(sample.loss_mask)
-            cols["length"].append(len(sample.input_ids))
-            cols["num_loss_tokens"].append(n_loss)
-            cols["truncated"].append(sample.truncated)
-            assistant = [m for m in messages if m["role"] == "assistant"]
-            roles.update(m["role"] for m in messages)
-            per_sample["loss_tokens"].append(n_loss)
-            per_sample["length"].append(len(sample.input_ids))
-            per_sample["turns"].append(len(messages))
-            per_sample["assistant_turns"].append(len(assistant))
-            per_sample["response_tokens"].extend(sample.turn_tokens)
-            counts["truncated"] += sample.truncated
-            # trivial: no assistant turn carries more than a few supervised tokens (e.g. every answer `OK.`)
-            counts["trivial"] += max(sample.turn_tokens, default=0) <= trivial_tokens
-            counts["no_supervision"] += n_loss == 0
-            counts["empty_response"] += any(not (m["content"] or "").strip() and not (m.get("reasoning_content") or "").strip()
-                                            for m in assistant)
-            counts["not_ending_with_assistant"] += messages[-1]["role"] != "assistant"
-            counts["system_prompt"] += messages[0]["role"] == "system"
-            counts["closing_missing"] += not sample.closing_found
-            if assistant:
-                answers[answer_key(assistant[-1]["content"] or "")] += 1
+    parts = []
+    for lo in range(0, table.num_rows, batch_size):
+        conversations = table.column("messages").slice(lo, batch_size).to_pylist()
+        part = _encode_batch(masker, ids[lo:lo + batch_size], conversations, audit, pattern)
+        if part is not None:
+            parts.append(part)
+    tokens = pa.concat_tables(parts) if parts else TOKENS_SCHEMA.empty_table()
     with atomic_path(out_tokens) as tmp:
-        pq.write_table(pa.Table.from_pydict(cols, schema=TOKENS_SCHEMA), tmp, compression="zstd")
-    elapsed = time.perf_counter() - t0
-    audit = {
-        "input": os.path.basename(input_path),
-        "samples": len(ids),
-        "generation_failed": sum(failed.values()),
-        "generation_failure_reasons": dict(failed.most_common()),
-        "tokens": int(sum(per_sample["length"])),
-        "loss_tokens": int(sum(per_sample["loss_tokens"])),
-        "counts": {k: int(counts[k]) for k in ("truncated", "trivial", "no_supervision", "empty_response",
-                                                "not_ending_with_assistant", "system_prompt", "closing_missing")},
-        "roles": dict(roles),
-        "per_sample": per_sample,
-        "answers": dict(answers.most_common()),
-        "settings": {"max_length": max_length, "enable_thinking": enable_thinking, "trivial_tokens": trivial_tokens,
-                     "model": model_dir, "closing": masker.closing},
-        "seconds": round(elapsed, 3),
-    }
-    write_json(out_audit, audit, indent=None)
-    log.info("%s: %d samples, %d tokens (%d supervised) in %.2fs", input_path, len(ids), audit["tokens"],
-             audit["loss_tokens"], elapsed)
-    return audit
+        pq.write_table(tokens, tmp, compression="zstd")
+    summary = {"input": os.path.basename(input_path), **audit.to_json(),
+               "generation_failed": sum(failed.values()), "generation_failure_reasons": dict(failed.most_common()),
+               "settings": {"max_length": max_length, "enable_thinking": enable_thinking,
+                            "trivial_tokens": trivial_tokens, "model": model_dir, "closing": masker.closing},
+               "seconds": round(time.perf_counter() - t0, 3)}
+    write_json(out_audit, summary, indent=None)
+    log.info("%s: %d samples, %d tokens (%d supervised) in %.2fs", input_path, summary["samples"],
+             summary["tokens"], summary["loss_tokens"], summary["seconds"])
+    return summary
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,8 +220,3 @@ def run(args) -> int:
     print(json.dumps({k: audit[k] for k in ("samples", "tokens", "loss_tokens", "counts", "seconds")}))
     return 0
 
-
-def read_tokens(path: str) -> dict[str, np.ndarray]:
-    """Load a token shard as numpy arrays (for tests and downstream stages)."""
-    table = pq.read_table(path)
-    return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
