@@ -207,3 +207,41 @@ def test_qwen35_export_loads_back_with_identical_logits(qwen35_export):
     back = load_exported(out)
     assert back.config.rotary_dim == 16 and back.config.rope_theta == 10_000_000
     assert torch.equal(_logits(model.eval(), head, model.config), _logits(back, head, back.config))
+
+
+def test_export_refuses_a_drafter_trained_for_another_target(tiny_target, tmp_path, capsys):
+    """A drafter of a target with half the layers, twice the hidden size and half the vocabulary: rc 2, every
+    mismatch named, nothing written (it would load and then accept nothing, or fail inside the engine)."""
+    tc = read_target_config(tiny_target)
+    other = dict(tc, num_hidden_layers=4, hidden_size=2 * tc["hidden_size"], vocab_size=tc["vocab_size"] // 2)
+    cfg = DrafterConfig.from_target(other, 1, [2], 8, 100, other["vocab_size"])
+    src = tmp_path / "other"
+    src.mkdir()
+    save_file(DFlashDrafter(cfg).engine_state_dict(), str(src / "drafter.safetensors"))
+    storage.write_json(src / "drafter_config.json", cfg.to_dict())
+    out = tmp_path / "o"
+    assert cli_main(["export", "--drafter", str(src), "--model", str(tiny_target), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "trained for another target" in err
+    assert f"num_target_layers: drafter 4, target {tc['num_hidden_layers']}" in err
+    assert f"hidden_size: drafter {2 * tc['hidden_size']}, target {tc['hidden_size']}" in err
+    assert f"vocabulary: drafter {tc['vocab_size'] // 2}, target embedding" in err
+    assert not out.exists()
+
+
+def test_export_refuses_weights_that_do_not_match_their_config(tiny_target, trained_dir, tmp_path, capsys):
+    src, _ = trained_dir
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "drafter.safetensors").write_bytes((src / "drafter.safetensors").read_bytes())
+    cfg = json.loads((src / "drafter_config.json").read_text())
+    storage.write_json(bad / "drafter_config.json", dict(cfg, intermediate_size=2 * cfg["intermediate_size"]))
+    assert cli_main(["export", "--drafter", str(bad), "--model", str(tiny_target), "--out", str(tmp_path / "o")]) == 2
+    assert "layers.0.mlp.gate_proj.weight" in capsys.readouterr().err
+    (bad / "drafter.safetensors").write_bytes((src / "drafter.safetensors").read_bytes()[:5000])  # truncated
+    storage.write_json(bad / "drafter_config.json", cfg)
+    assert cli_main(["export", "--drafter", str(bad), "--model", str(tiny_target), "--out", str(tmp_path / "o")]) == 2
+    assert f"{bad}/drafter.safetensors: unreadable" in capsys.readouterr().err
+    storage.write_json(bad / "drafter_config.json", {"hidden": 1})
+    assert cli_main(["export", "--drafter", str(bad), "--model", str(tiny_target), "--out", str(tmp_path / "o")]) == 2
+    assert "drafter_config.json: not a drafter config" in capsys.readouterr().err
