@@ -19,6 +19,12 @@ short), `delay` (an answer after `--fault-delay` seconds, for client timeouts), 
 empty content; chat endpoint), `400` (a request rejected for another reason than its length). `--delay` adds latency to every
 request, `--die-after N` kills the process (`os._exit`) on the N-th POST, like a crashed server.
 
+Rate control (instant engine; environment variables, because the flags are SGLang's):
+`DFLASH_TEST_SERVER_TOKENS_PER_S` simulates decoding: the server produces that many output tokens per second
+in all, shared equally by the requests in flight (like one GPU's batch), and an answer returns when its tokens
+are done; `DFLASH_TEST_SERVER_ANSWER_WORDS_PER_PROMPT_WORD` k makes an answer `--answer-words` + k x prompt
+words long (longer prompts, longer answers).
+
 It accepts `sglang.launch_server`'s flags (unknown ones are ignored), so the pipeline's SGLang launcher can
 start it through the same code path: `python tests/sglang_test_server.py --model-path M --host H --port P`.
 """
@@ -69,6 +75,53 @@ def instant_answer(messages: list[dict], words: int) -> tuple[str, str]:
     return f"thinking about {key}", answer
 
 
+END_ID = 2  # the instant engine's end token
+
+
+def word_ids(text: str) -> list[int]:
+    """The instant engine's "token ids": one per word, a pure function of the word."""
+    return [3 + int(_h(w), 16) % 50000 for w in text.split()]
+
+
+class SharedDecoder:
+    """Simulated decoding: `rate` output tokens/s in total, shared equally by the requests in flight."""
+
+    TICK_S = 0.005
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self.left: dict[asyncio.Future, float] = {}
+        self.task: asyncio.Task | None = None
+
+    async def decode(self, tokens: int) -> None:
+        if self.rate <= 0 or tokens <= 0:
+            return
+        done = asyncio.get_running_loop().create_future()
+        self.left[done] = float(tokens)
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._run())
+        try:
+            await done
+        finally:
+            self.left.pop(done, None)  # a request whose client went away stops using its share
+
+    async def _run(self) -> None:
+        last = time.monotonic()
+        while self.left:
+            await asyncio.sleep(self.TICK_S)
+            now = time.monotonic()
+            budget, last = (now - last) * self.rate, now
+            while budget > 1e-9 and self.left:  # equal shares; what a finished request leaves goes to the rest
+                step = min(budget / len(self.left), min(self.left.values()))
+                budget -= step * len(self.left)
+                for fut in list(self.left):
+                    self.left[fut] -= step
+                    if self.left[fut] <= 1e-9:
+                        del self.left[fut]
+                        if not fut.done():
+                            fut.set_result(None)
+
+
 class Server:
     def __init__(self, args):
         self.args = args
@@ -78,6 +131,8 @@ class Server:
         self.started = time.monotonic()
         self.lock = asyncio.Lock()
         self.tokenizer = self.model = None
+        self.decoder = SharedDecoder(float(os.environ.get("DFLASH_TEST_SERVER_TOKENS_PER_S") or 0))
+        self.words_per_prompt_word = float(os.environ.get("DFLASH_TEST_SERVER_ANSWER_WORDS_PER_PROMPT_WORD") or 0)
         if args.engine == "model":
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -172,6 +227,9 @@ class Server:
             return text.lstrip()[len("<think>"):], ""
         return None, text.strip()
 
+    def _answer_words(self, prompt_tokens: int) -> int:
+        return self.args.answer_words + round(self.words_per_prompt_word * prompt_tokens)
+
     # -- handlers --------------------------------------------------------------------------------------
     async def health(self, request):
         if time.monotonic() - self.started < self.args.startup_delay:
@@ -195,13 +253,16 @@ class Server:
             too_long = self._too_long(prompt_tokens)
             if too_long:
                 return too_long
-            reasoning, answer = instant_answer(messages, self.args.answer_words)
+            reasoning, answer = instant_answer(messages, self._answer_words(prompt_tokens))
             words = answer.split()
             finish = "length" if len(words) > max_tokens else "stop"
             content = " ".join(words[:max_tokens])
             completion_tokens = min(len(words), max_tokens)
+            await self.decoder.decode(completion_tokens)
             if not thinking:
                 reasoning = None
+            prompt_ids = word_ids(" ".join(m["content"] for m in messages))
+            output_ids = word_ids(f"{reasoning or ''} {content}") + ([END_ID] if finish == "stop" else [])
         else:
             prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                         enable_thinking=thinking)
@@ -213,15 +274,19 @@ class Server:
             new, finish = await self._model_generate(ids, max_tokens, float(body.get("temperature", 0.0)))
             completion_tokens = len(new) + (finish == "stop")
             reasoning, content = self._parse(self.tokenizer.decode(new, skip_special_tokens=False), thinking)
+            prompt_ids, output_ids = ids, new + ([self.eos] if finish == "stop" else [])
         if not self.args.reasoning_parser and reasoning is not None:
             content, reasoning = f"<think>\n{reasoning}\n</think>\n\n{content}", None
+        choice = {"index": 0, "finish_reason": finish,
+                  "message": {"role": "assistant", "content": content, "reasoning_content": reasoning}}
+        if body.get("return_token_ids"):  # SGLang 0.5.23: the choice's prompt and response token ids
+            choice.update(prompt_token_ids=prompt_ids, response_token_ids=output_ids)
         return web.json_response({
             "id": f"chatcmpl-{self.posts}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.args.model_path,
-            "choices": [{"index": 0, "finish_reason": finish,
-                         "message": {"role": "assistant", "content": content, "reasoning_content": reasoning}}],
+            "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
         })
@@ -239,11 +304,14 @@ class Server:
             too_long = self._too_long(prompt_tokens)
             if too_long:
                 return too_long
-            reasoning, answer = instant_answer([{"role": "user", "content": text_in}], self.args.answer_words)
+            reasoning, answer = instant_answer([{"role": "user", "content": text_in}],
+                                               self._answer_words(prompt_tokens))
             words = answer.split()
             finish = "length" if len(words) > max_new else "stop"
             text = f"<think>\n{reasoning}\n</think>\n\n" + " ".join(words[:max_new])
             completion_tokens = min(len(words), max_new)
+            await self.decoder.decode(completion_tokens)
+            output_ids = word_ids(text) + ([END_ID] if finish == "stop" else [])
         else:
             ids = body.get("input_ids") or self.tokenizer(body["text"], add_special_tokens=False)["input_ids"]
             prompt_tokens = len(ids)
@@ -253,8 +321,9 @@ class Server:
             new, finish = await self._model_generate(ids, max_new, float(sp.get("temperature", 0.0)))
             completion_tokens = len(new) + (finish == "stop")
             text = self.tokenizer.decode(new, skip_special_tokens=bool(sp.get("skip_special_tokens", True)))
+            output_ids = new + ([self.eos] if finish == "stop" else [])  # SGLang: through the stop token
         reason = {"type": finish, "length": max_new} if finish == "length" else {"type": "stop", "matched": 0}
-        return web.json_response({"text": text, "meta_info": {
+        return web.json_response({"text": text, "output_ids": output_ids, "meta_info": {
             "id": str(self.posts), "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "finish_reason": reason}})
 

@@ -55,6 +55,7 @@ def test_hf_backend_regenerates_every_sample(tmp_path, tiny_target):
     gen(tmp_path / "in.parquet", out, "--backend", "hf", "--model", tiny_target, "--max-new-tokens", "16",
         "--temperature", "0.8", "--seed", "3", "--threads", "1", "--batch-size", "8", "--turns", "all")
     got = assert_one_row_per_sample(out, rows)
+    end = im_end(tiny_target)
     for src, row in zip(rows, got):
         assert row["status"] == "ok" and row["failure_reason"] is None
         assert row["model"] == str(tiny_target)
@@ -66,12 +67,38 @@ def test_hf_backend_regenerates_every_sample(tmp_path, tiny_target):
         assert n_assist == row["generated_turns"] == sum(m["role"] == "assistant" for m in src["messages"])
         assert row["messages"][-1]["role"] == "assistant" and row["messages"][-1]["content"] != "OK."
         assert row["completion_tokens"] > 0 and row["prompt_tokens"] > 0
+        # the target's own ids, one list per generated turn, the end token included when it stopped
+        assert len(row["output_ids"]) == row["generated_turns"]
+        assert sum(map(len, row["output_ids"])) == row["completion_tokens"]
+        last = row["output_ids"][-1]
+        assert (last[-1] == end) == (row["finish_reason"] == "stop")
     summary = read_summary(out)
     assert summary["samples"] == 24 and summary["ok"] == 24 and summary["this_run"]["requests"] >= 24
 
 
+def im_end(model_dir) -> int:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<|im_end|>")
+
+
+def greedy_continuation(model_dir, prompt_ids: list[int], n: int) -> list[int]:
+    """What the target emits greedily after `prompt_ids`, through its end token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    end = im_end(model_dir)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=end,
+                             pad_token_id=end)
+    new = out[0, len(prompt_ids):].tolist()
+    return new[: new.index(end) + 1] if end in new else new
+
+
 def test_chat_with_model_engine_and_generate_api(tmp_path, tiny_target):
-    """The test server backed by the tiny model, through both /v1/chat/completions and /generate."""
+    """The test server backed by the tiny model, through both /v1/chat/completions and /generate; the stored
+    ids are exactly the target's own greedy stream: prompt_ids + output_ids."""
     rows = write_shard(tmp_path / "in.parquet", 6, seed=2)
     with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3") as server:
         for api in ("chat", "generate"):
@@ -82,6 +109,9 @@ def test_chat_with_model_engine_and_generate_api(tmp_path, tiny_target):
             assert all(r["status"] == "ok" and r["model"] == str(tiny_target) for r in got)
             assert all(r["completion_tokens"] > 0 for r in got)
             assert all(r["finish_reason"] in ("stop", "length") for r in got)
+            for r in got[:2]:
+                ids = r["output_ids"][-1]
+                assert ids and greedy_continuation(tiny_target, r["prompt_ids"], 8) == ids
 
 
 def test_turns_all_continue_from_the_models_own_answers(tmp_path, tiny_target):

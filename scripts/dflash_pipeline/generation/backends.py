@@ -178,13 +178,13 @@ class HFEngine:
             finish = "length"
             for k, t in enumerate(tokens):
                 if t in self.eos_ids:
-                    tokens, finish = tokens[:k], "stop"
+                    tokens, finish = tokens[:k + 1], "stop"  # the end token is part of what was generated
                     break
-            text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+            text = self.tokenizer.decode(tokens[:-1] if finish == "stop" else tokens, skip_special_tokens=False)
             content, reasoning = split_reasoning(text, params.enable_thinking)
             results[i] = Completion(content=content, reasoning=reasoning, finish_reason=finish,
-                                    prompt_tokens=len(prompts[i]), completion_tokens=len(tokens) + (finish == "stop"),
-                                    server="hf")
+                                    prompt_tokens=len(prompts[i]), completion_tokens=len(tokens),
+                                    server="hf", output_ids=tokens, prompt_ids=list(prompts[i]))
         return results
 
 

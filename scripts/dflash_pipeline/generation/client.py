@@ -40,6 +40,11 @@ COMPLETION_SCHEMA = pa.schema(
         ("completion_tokens", pa.int64()),
         ("generated_turns", pa.int32()),
         ("attempts", pa.int32()),            # requests sent for this sample, retries included
+        # The target's own token ids, per generated assistant turn in order: thinking + content + the end
+        # token, exactly as sampled (null when the engine reports none: an OpenAI server without token ids).
+        ("output_ids", pa.list_(pa.list_(pa.int32()))),
+        # The prompt ids of the last generated turn: prompt_ids + output_ids[-1] is the exact token stream.
+        ("prompt_ids", pa.list_(pa.int32())),
     ]
 )
 
@@ -82,6 +87,8 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     server: str = ""
+    output_ids: list[int] | None = None  # as generated, the end token included
+    prompt_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +217,8 @@ async def generate_sample(engine, sample: dict, params: SamplingParams, policy: 
     tally = [0]
     prompt_tokens = completion_tokens = generated = 0
     finish = None
+    turn_ids: list[list[int] | None] = []
+    prompt_ids = None
     status, reason, permanent = "ok", None, True
     try:
         for pos in turn_plan(original, policy.turns):
@@ -221,6 +230,8 @@ async def generate_sample(engine, sample: dict, params: SamplingParams, policy: 
             prompt_tokens += result.prompt_tokens
             completion_tokens += result.completion_tokens
             finish = result.finish_reason
+            turn_ids.append(result.output_ids)
+            prompt_ids = result.prompt_ids
             generated += 1
         if policy.turns == "all":
             out.extend(m for m in original[cursor:] if m["role"] != "assistant")
@@ -259,6 +270,8 @@ async def generate_sample(engine, sample: dict, params: SamplingParams, policy: 
         "completion_tokens": completion_tokens,
         "generated_turns": generated,
         "attempts": tally[0],
+        "output_ids": turn_ids if status == "ok" and all(t is not None for t in turn_ids) else None,
+        "prompt_ids": prompt_ids if status == "ok" else None,
         "permanent": permanent,
     }
 
@@ -502,6 +515,7 @@ class HTTPEngine:
             "chat_template_kwargs": {"enable_thinking": params.enable_thinking},
             "separate_reasoning": True,
             "stream": False,
+            "return_token_ids": True,  # SGLang: choices[0].prompt_token_ids / response_token_ids
         }
         if params.top_k > 0:
             payload["top_k"] = params.top_k
@@ -515,13 +529,16 @@ class HTTPEngine:
             reasoning = message.get("reasoning_content")
             finish = choice.get("finish_reason") or "stop"
             usage = data.get("usage") or {}
+            output_ids = _ids(choice.get("response_token_ids"))
+            prompt_ids = _ids(choice.get("prompt_token_ids"))
         except (KeyError, IndexError, TypeError) as exc:
             raise TransientError(f"{e.url}: malformed response ({exc})") from None
         if reasoning is None and "</think>" in content:  # a server without a reasoning parser
             content, reasoning = split_reasoning(content, params.enable_thinking)
         return Completion(content=content.strip(), reasoning=reasoning, finish_reason=_finish(finish),
                           prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                          completion_tokens=int(usage.get("completion_tokens") or 0))
+                          completion_tokens=int(usage.get("completion_tokens") or 0),
+                          output_ids=output_ids, prompt_ids=prompt_ids)
 
     async def _post_generate(self, e, messages, params, max_new_tokens) -> Completion:
         if self.render is None:
@@ -532,11 +549,12 @@ class HTTPEngine:
             sampling["top_k"] = params.top_k
         if params.seed is not None:
             sampling["sampling_seed"] = params.seed
-        data = await self._post(e, "/generate", {"text": self.render(messages, params.enable_thinking),
-                                                 "sampling_params": sampling})
+        prompt_ids = self.render(messages, params.enable_thinking)
+        data = await self._post(e, "/generate", {"input_ids": prompt_ids, "sampling_params": sampling})
         try:
             text = data["text"]
             meta = data.get("meta_info") or {}
+            output_ids = _ids(data.get("output_ids"))
         except (KeyError, TypeError) as exc:
             raise TransientError(f"{e.url}: malformed response ({exc})") from None
         for stop in ("<|im_end|>", "<|endoftext|>"):
@@ -544,7 +562,17 @@ class HTTPEngine:
         content, reasoning = split_reasoning(text, params.enable_thinking)
         return Completion(content=content, reasoning=reasoning, finish_reason=_finish(meta.get("finish_reason")),
                           prompt_tokens=int(meta.get("prompt_tokens") or 0),
-                          completion_tokens=int(meta.get("completion_tokens") or 0))
+                          completion_tokens=int(meta.get("completion_tokens") or 0),
+                          output_ids=output_ids, prompt_ids=list(prompt_ids))
+
+
+def _ids(value) -> list[int] | None:
+    """A list of token ids from a response, or None (absent); anything else is a malformed response."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise TypeError(f"token ids are not a list of integers: {str(value)[:80]}")
+    return value
 
 
 def _finish(value) -> str:

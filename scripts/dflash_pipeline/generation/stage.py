@@ -142,7 +142,7 @@ class ShardJob:
             rec = self.journal.done.get(row["sample_id"])
             if rec is None:
                 raise RuntimeError(f"{self.name}: sample {row['sample_id']} has no result")  # cannot happen
-            records.append({k: rec[k] for k in COMPLETION_SCHEMA.names})
+            records.append({k: rec.get(k) for k in COMPLETION_SCHEMA.names})
         table = pa.Table.from_pylist(records, schema=COMPLETION_SCHEMA)
         _write_parquet(table, self.out)
         statuses = [r["status"] for r in records]
@@ -356,11 +356,12 @@ def _engine(args, urls: list[str] | None = None):
 
         tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
 
-        def render(messages, enable_thinking):
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+        def render(messages, enable_thinking):  # the prompt's token ids, sent as input_ids
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                            enable_thinking=enable_thinking)
+            return tok(text, add_special_tokens=False)["input_ids"]
     return HTTPEngine(urls or args.servers, max_in_flight=args.max_in_flight, request_timeout_s=args.request_timeout,
-                      api=args.api, model=args.model_name, render=render, all_down_timeout_s=args.all_down_timeout,
+                      api=args.api, model=args.model_name or None, render=render, all_down_timeout_s=args.all_down_timeout,
                       revive_after_s=args.revive_after)
 
 
@@ -417,7 +418,7 @@ def run(args) -> int:
     jobs = []
     for inp, out in zip(args.input, args.out):
         name = Path(out.rstrip("/")).name.removesuffix(".parquet")
-        mirror = args.journal_mirror
+        mirror = args.journal_mirror or None  # "" (the config's default) means: none given
         if mirror is None and storage.is_s3(out):
             mirror = out.rsplit("/", 1)[0] + "/journal"
         jdir = journal_dir or (Path(".generate-journal") if storage.is_s3(out) else Path(out).parent / "journal")
