@@ -168,19 +168,32 @@ def test_checkpoints_mirrored_to_s3_resume_on_a_new_machine(tiny_target, token_s
         moto.stop()
 
 
-def test_damaged_newest_checkpoint_falls_back_to_the_older_one(tiny_target, token_shards, tmp_path, caplog):
+def test_damaged_newest_checkpoint_falls_back_to_the_older_one_and_new_data_restarts(tiny_target, token_shards, tmp_path, caplog):
     """A truncated newest checkpoint (node lost while copying it) is named, set aside, and the run resumes
     from the older one, ending with the weights of an uninterrupted run; a retry does not trip on it again."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shards = [tmp_path / p.name for p in token_shards]
+    for src, dst in zip(token_shards, shards):
+        dst.write_bytes(src.read_bytes())
     ckpt = tmp_path / "ckpt"
     common = dict(max_steps=4, checkpoint_every=2)
-    assert run_in_process(*_train_args(tiny_target, token_shards, tmp_path / "ref", ckpt, **common)) == 0
+    assert run_in_process(*_train_args(tiny_target, shards, tmp_path / "ref", ckpt, **common)) == 0
     newest = ckpt / "step-00000004.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     with caplog.at_level("WARNING"):
-        assert run_in_process(*_train_args(tiny_target, token_shards, tmp_path / "again", ckpt, **common)) == 0
+        assert run_in_process(*_train_args(tiny_target, shards, tmp_path / "again", ckpt, **common)) == 0
     assert f"{newest}: unreadable checkpoint" in caplog.text
     assert (ckpt / "step-00000004.pt.damaged").exists()
     assert json.loads((tmp_path / "again" / "summary.json").read_text())["resumed_from_step"] == 2
     a = load_file(str(tmp_path / "ref" / "drafter.safetensors"))
     b = load_file(str(tmp_path / "again" / "drafter.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # a shard rewritten with the same sample ids but other tokens: the checkpoints are not resumed from
+    table = pq.read_table(shards[0]).to_pylist()
+    table[0]["input_ids"] = table[0]["input_ids"][::-1]
+    pq.write_table(pa.Table.from_pylist(table, schema=pq.read_schema(shards[0])), shards[0])
+    assert run_in_process(*_train_args(tiny_target, shards, tmp_path / "new-data", ckpt, **common)) == 0
+    assert json.loads((tmp_path / "new-data" / "summary.json").read_text())["resumed_from_step"] == 0
+    assert list(ckpt.glob("stale-*/step-00000004.pt"))

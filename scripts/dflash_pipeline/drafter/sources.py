@@ -11,6 +11,7 @@ hold-out, and the resumable epoch order.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import OrderedDict
 
 import numpy as np
@@ -73,6 +74,16 @@ class TokenSource:
     def shard(self, i: int) -> int:
         return self.index[i][0]
 
+    def identity(self) -> str:
+        """Digest of the shards' bytes: a resumed run must see the data its checkpoint was trained on, not a
+        rewritten shard with the same sample ids (token shards are small: ~2 bytes per token)."""
+        h = hashlib.sha256()
+        for path in self.paths:
+            with open(path, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+        return h.hexdigest()
+
     def _table(self, s: int) -> dict:
         if s in self._tables:
             self._tables.move_to_end(s)
@@ -131,6 +142,15 @@ class HiddenSource:
 
     def shard(self, i: int) -> int:
         return self.index[i][0]
+
+    def identity(self) -> str:
+        """Digest of each shard's metadata, sample ids and token counts (the index; hashing terabytes of
+        features at every start is not affordable): re-extracted shards of other samples get another one."""
+        h = hashlib.sha256()
+        for reader in self.readers:
+            h.update(json.dumps([reader.metadata, list(reader.sample_ids), list(reader.num_tokens)],
+                                sort_keys=True, default=str).encode())
+        return h.hexdigest()
 
     def get(self, i: int) -> dict:
         s, row = self.index[i]

@@ -100,12 +100,13 @@ def lr_lambda_factory(total_steps: int, warmup_steps: int):
     return fn
 
 
-def run_fingerprint(args, dcfg: DrafterConfig, total_steps: int, global_batch: int, n_samples: int) -> dict:
-    """What a checkpoint must match to be resumed from: settings that change the weights, and the data size."""
+def run_fingerprint(args, dcfg: DrafterConfig, total_steps: int, global_batch: int, source) -> dict:
+    """What a checkpoint must match to be resumed from: settings that change the weights, and the data."""
     return {
         "drafter": dcfg.to_dict(), "seed": args.seed, "lr": args.lr, "total_steps": total_steps,
-        "global_batch": global_batch, "samples": n_samples, "gamma": args.gamma, "num_anchors": args.num_anchors,
+        "global_batch": global_batch, "samples": len(source), "gamma": args.gamma, "num_anchors": args.num_anchors,
         "max_length": args.max_length, "mode": args.mode, "labels": args.labels,
+        "holdout_fraction": args.holdout_fraction, "data": source.identity(),
     }
 
 
@@ -307,7 +308,7 @@ def _run(args) -> int:
     if args.labels == "target" and args.mode != "online":
         raise PipelineError("--labels target needs --mode online (the target's predictions are not in the shards)")
     run = setup_run(args)
-    fp = run_fingerprint(args, run.dcfg, run.total_steps, run.steps.global_batch, len(run.source))
+    fp = run_fingerprint(args, run.dcfg, run.total_steps, run.steps.global_batch, run.source)
     store = CheckpointStore(args.checkpoint_dir, fp, args.keep_checkpoints, run.dist, args.checkpoint_mirror)
     start_step = store.restore(run.drafter, run.opt, run.sched, run.device)
     metrics = StepMetrics(run.dcfg.block_size, run.device)
