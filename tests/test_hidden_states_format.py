@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_pipeline.hidden_states import shard_format as hsf
-from dflash_pipeline.hidden_states.shard_format import (
-    HiddenStateShardReader,
-    HiddenStateShardWriter,
-    ShardFormatError,
-    iter_shard_samples,
-)
+from dflash_pipeline.hidden_states import layout, reader
+from dflash_pipeline.hidden_states.codec import merge_planes, split_planes
+from dflash_pipeline.hidden_states.layout import ShardFormatError
+from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
+from dflash_pipeline.hidden_states.stream import iter_shard_samples
+from dflash_pipeline.hidden_states.writer import HiddenStateShardWriter
 
 META = {"target_layer_ids": [1, 3, 5], "hidden_size": 32, "num_layers": 8, "model_path": "m"}
 
@@ -50,7 +49,7 @@ def test_lossless_round_trip_is_bit_exact(tmp_path, codec, dtype):
     samples = _samples(dtype=tdt)
     # special values survive too
     samples[0]["hidden"][0, 0, :4] = torch.tensor([float("inf"), float("-inf"), -0.0, float("nan")])
-    path = tmp_path / f"a{hsf.FILE_EXTENSION}"
+    path = tmp_path / f"a{layout.FILE_EXTENSION}"
     _write(path, samples, codec=codec, dtype=dtype)
     r = HiddenStateShardReader(path)
     assert len(r) == len(samples)
@@ -90,9 +89,9 @@ def test_zstd_planes_compress_and_fp8_is_close(tmp_path):
 def test_split_planes_inverse_and_exponent_plane():
     x = torch.randn(1000).to(torch.bfloat16)
     bits = x.view(torch.int16).numpy().view(np.uint16)
-    planes = hsf.split_planes(bits)
+    planes = split_planes(bits)
     assert planes.shape == (2, 1000)
-    assert np.array_equal(hsf.merge_planes(planes, np.uint16), bits)
+    assert np.array_equal(merge_planes(planes, np.uint16), bits)
     # the top plane holds exactly the 8 exponent bits
     assert np.array_equal(planes[1], ((bits >> 7) & 0xFF).astype(np.uint8))
 
@@ -260,15 +259,15 @@ def test_default_target_layer_ids_match_design():
 def test_many_readers_keep_few_files_open(tmp_path):
     samples = _samples(n=2)
     paths = []
-    for k in range(hsf.MAX_OPEN_FILES + 40):
+    for k in range(reader.MAX_OPEN_FILES + 40):
         p = tmp_path / f"s{k}.dfhs"
         _write(p, samples, codec="zstd" if k % 2 else "raw")
         paths.append(p)
     before = len(os.listdir("/proc/self/fd"))
     readers = [HiddenStateShardReader(p) for p in paths]
     views = [r.read(1)["hidden"] for r in readers]  # raw ones are views of maps, zstd ones copies
-    assert len(os.listdir("/proc/self/fd")) - before <= 2 * hsf.MAX_OPEN_FILES + 4
-    assert hsf._OPEN.open_count() <= hsf.MAX_OPEN_FILES
+    assert len(os.listdir("/proc/self/fd")) - before <= 2 * reader.MAX_OPEN_FILES + 4
+    assert reader._OPEN.open_count() <= reader.MAX_OPEN_FILES
     for v in views:  # every tensor is still valid after its file left the cache
         assert torch.equal(v.view(torch.int16), samples[1]["hidden"].view(torch.int16))
 
@@ -288,3 +287,203 @@ def test_hidden_verify_command_deletes_only_damaged_shards(tmp_path):
     assert "DAMAGED" in proc.stdout and "checksum mismatch" in proc.stdout and "1 ok, 1 damaged" in proc.stdout
     assert good.exists() and not bad.exists() and not (tmp_path / "bad.stats.json").exists()
     assert run_cli("hidden-verify", good).returncode == 0
+
+
+# -- hostile files: sizes a file claims are checked before anything is allocated
+
+
+def _peak_bytes(fn) -> int:
+    """The peak of Python-traced allocations while `fn` runs (zstandard's output buffers are Python bytes)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def _replace_index(path, index_bytes: bytes, *, stated_size: bool = True, header_claim: int = 0):
+    """Rewrite a shard's index (recompressed, checksummed, footer and header updated): a crafted but
+    self-consistent file, as an attacker would make it."""
+    import zlib
+
+    import zstandard
+
+    data = path.read_bytes()
+    index_offset = struct.unpack("<Q", data[-32:-24])[0]
+    if stated_size:
+        blob = zstandard.ZstdCompressor(level=1).compress(index_bytes)
+    else:  # a streamed frame: no decompressed size in its header
+        cobj = zstandard.ZstdCompressor(level=1).compressobj()
+        blob = b"".join(cobj.compress(index_bytes[k:k + (1 << 22)]) for k in range(0, len(index_bytes), 1 << 22))
+        blob += cobj.flush()
+    footer = struct.pack("<QQII8s", index_offset, len(blob), zlib.crc32(blob), 1, b"HSEND001")
+    head = data[:16] + struct.pack("<Q", header_claim) + data[24:index_offset]
+    path.write_bytes(head + blob + footer)
+
+
+def _index_json(path) -> dict:
+    import json
+
+    import zstandard
+
+    data = path.read_bytes()
+    off, n = struct.unpack("<QQ", data[-32:-16])
+    return json.loads(zstandard.ZstdDecompressor().decompress(data[off:off + n]))
+
+
+@pytest.mark.parametrize("stated_size", [True, False])
+def test_index_that_decompresses_to_far_more_than_the_file_is_refused(tmp_path, stated_size):
+    import json
+
+    path = tmp_path / "bomb.dfhs"
+    _write(path, _samples(n=2))
+    index = _index_json(path)
+    # valid JSON, padded with 64 MiB of whitespace: a ~10 KB file whose index inflates 6000-fold
+    _replace_index(path, json.dumps(index).encode() + b" " * (64 << 20), stated_size=stated_size)
+    assert path.stat().st_size < 20_000
+
+    def open_it():
+        with pytest.raises(ShardFormatError, match="bomb.dfhs: index.*(more than|decompress)"):
+            HiddenStateShardReader(path)
+
+    assert _peak_bytes(open_it) < 8 << 20
+    # the header's own claim is bounded too, and must match when given
+    _replace_index(path, json.dumps(index).encode(), header_claim=1 << 40)
+    with pytest.raises(ShardFormatError, match="header says the index decompresses to 1099511627776 bytes"):
+        HiddenStateShardReader(path)
+    _replace_index(path, json.dumps(index).encode(), header_claim=100)
+    with pytest.raises(ShardFormatError, match="index.*more than the 100"):
+        HiddenStateShardReader(path)
+
+
+def test_written_header_states_the_index_size(tmp_path):
+    path = tmp_path / "a.dfhs"
+    _write(path, _samples(n=3))
+    import json
+
+    claim = struct.unpack("<Q", path.read_bytes()[16:24])[0]
+    assert claim == len(json.dumps(_index_json(path)).encode())
+    assert len(HiddenStateShardReader(path)) == 3
+
+
+def _frame_stating(data: bytes, claim: int) -> bytes:
+    """A zstd frame of `data` whose header states `claim` decompressed bytes (its 4-byte size field patched)."""
+    import zstandard
+
+    frame = bytearray(zstandard.ZstdCompressor(level=1).compress(data))
+    assert frame[4] >> 6 == 2 and frame[4] & 0x20  # 4-byte content size, single segment: size at bytes 5-8
+    frame[5:9] = struct.pack("<I", claim)
+    return bytes(frame)
+
+
+def _crafted_record(path, planes, n_tokens, layers, hidden):
+    """A one-sample zstd shard whose two bf16 planes are the given (payload, claimed raw length) pairs."""
+    from dflash_pipeline.hidden_states.codec import EncodedSample
+
+    meta = {"target_layer_ids": list(range(layers)), "hidden_size": hidden, "num_layers": layers + 3,
+            "model_path": "m"}
+    ids = np.zeros(n_tokens, dtype=np.int32)
+    mask = np.ones(n_tokens, dtype=np.uint8)
+    with HiddenStateShardWriter(path, meta, codec="zstd") as w:
+        w.add_encoded(EncodedSample("evil", n_tokens, [*planes, (ids, ids.nbytes), (mask, mask.nbytes)]))
+
+
+def test_section_claiming_gigabytes_is_refused_before_allocating(tmp_path):
+    import zstandard
+
+    # 64 tokens x 64 layers x 2^20 hidden: each bf16 plane "is" 4 GiB, stored as a few hundred bytes
+    path = tmp_path / "big.dfhs"
+    cobj = zstandard.ZstdCompressor(level=1).compressobj()  # no size in the frame header
+    small = cobj.compress(b"\0" * 4096) + cobj.flush()
+    _crafted_record(path, [(small, 1 << 32), (small, 1 << 32)], 64, 64, 1 << 20)
+    assert path.stat().st_size < 128 << 10
+    r = HiddenStateShardReader(path)
+
+    def read_it():
+        with pytest.raises(ShardFormatError, match="big.dfhs: sample 0 \\(evil\\).*claims to decompress to 4294967296"):
+            r.read(0)
+
+    assert _peak_bytes(read_it) < 64 << 20
+    with pytest.raises(ShardFormatError, match="4294967296"):
+        r.verify_all()  # hidden-verify sees it too
+
+
+def test_zstd_frame_stating_a_huge_size_is_refused_before_allocating(tmp_path):
+    # the section table is honest (8 tokens x 1 layer x 16 = 128 bytes per plane) but the frame header
+    # says 4 GiB: zstandard would allocate what the frame states
+    path = tmp_path / "frame.dfhs"
+    plane = _frame_stating(bytes(range(100)) * 700, 0xFFFFFFFF)
+    _crafted_record(path, [(b"\1" * 128, 128), (plane, 128)], 8, 1, 16)
+    r = HiddenStateShardReader(path)
+
+    def read_it():
+        with pytest.raises(ShardFormatError, match="frame.dfhs: undecodable section.*states 4294967295"):
+            r.read(0)
+
+    assert _peak_bytes(read_it) < 64 << 20
+
+
+def test_index_with_inconsistent_records_is_refused(tmp_path):
+    import json
+
+    path = tmp_path / "a.dfhs"
+    _write(path, _samples(n=3))
+    good = _index_json(path)
+    for mutate, why in [
+        (lambda ix: ix["samples"]["sample_ids"].pop(), "columns"),
+        (lambda ix: ix["samples"]["sample_ids"].__setitem__(1, "s000"), "repeats a sample id"),
+        (lambda ix: ix["metadata"].__setitem__("hidden_size", "32"), "hidden size"),
+        (lambda ix: ix["samples"]["offsets"].__setitem__(0, 10 ** 12), "outside the shard"),
+        (lambda ix: ix["samples"]["num_tokens"].__setitem__(0, 10 ** 9), "do not fit"),
+        (lambda ix: ix["samples"]["sections"][0][-1].__setitem__(2, 99), "its shape needs"),
+        (lambda ix: ix["metadata"].pop("dtype"), "lacks 'dtype'"),
+    ]:
+        ix = json.loads(json.dumps(good))
+        mutate(ix)
+        _replace_index(path, json.dumps(ix).encode())
+        with pytest.raises(ShardFormatError, match=why):
+            HiddenStateShardReader(path).verify_all()
+
+
+def test_hidden_verify_out_of_file_descriptors_deletes_nothing(tmp_path):
+    """Too many open files is no damage: verified shards are closed (so it does not happen), and any
+    unreadable shard stops the command before anything is deleted."""
+    import resource
+
+    from conftest import BIN
+
+    paths = []
+    for k in range(40):
+        p = tmp_path / f"s{k:02d}.dfhs"
+        _write(p, _samples(n=2), codec="raw" if k % 2 else "zstd")  # raw shards are memory-mapped
+        paths.append(p)
+
+    def few_fds():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+
+    import subprocess
+
+    proc = subprocess.run([str(BIN / "dflash-pipeline"), "hidden-verify", "--delete-damaged", *map(str, paths)],
+                          capture_output=True, text=True, preexec_fn=few_fds)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "40 ok, 0 damaged" in proc.stdout and all(p.exists() for p in paths)
+
+
+def test_hidden_verify_unreadable_shard_is_an_error_and_deletes_nothing(tmp_path):
+    from conftest import run_cli
+
+    bad, good = tmp_path / "bad.dfhs", tmp_path / "good.dfhs"
+    _write(bad, _samples(n=2))
+    _write(good, _samples(n=2))
+    data = bytearray(bad.read_bytes())
+    data[200] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    missing = tmp_path / "gone.dfhs"
+    proc = run_cli("hidden-verify", "--delete-damaged", bad, missing, good, check=False)
+    assert proc.returncode == 2
+    assert "cannot read" in proc.stderr and "gone.dfhs" in proc.stderr and "nothing was deleted" in proc.stderr
+    assert bad.exists() and good.exists()

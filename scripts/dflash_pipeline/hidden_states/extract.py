@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_pipeline.hidden_states import shard_format as hsf
+from dflash_pipeline.hidden_states.codec import quantize_fp8
 from dflash_pipeline import storage
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.target_layers import resolve_target_layer_ids, validate_target_layer_ids
@@ -186,7 +187,7 @@ def _to_host_layout(feats, codec: str, dtype: str):
 
     tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     if codec == "fp8":
-        q, scales = hsf.quantize_fp8(feats)
+        q, scales = quantize_fp8(feats)
         return (q, scales)
     x = feats.to(tdt)
     if codec == "raw":
