@@ -30,10 +30,13 @@ from dflash_pipeline.drafter.target_head import TargetHead
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
 
-def qwen3_8b_config(num_layers=5, block_size=16, hidden=4096, inter=12288, heads=32, kv=8, vocab=151936):
+def qwen3_8b_config(num_layers=5, block_size=16, hidden=4096, inter=12288, heads=32, kv=8, vocab=151936,
+                    partial_rotary_factor=1.0):
     tc = {"hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
           "head_dim": hidden // heads, "num_hidden_layers": 36, "vocab_size": vocab, "rms_norm_eps": 1e-6,
-          "rope_theta": 1_000_000.0, "max_position_embeddings": 40960, "model_type": "qwen3"}
+          "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0,
+                              "partial_rotary_factor": partial_rotary_factor},
+          "max_position_embeddings": 40960, "model_type": "qwen3"}
     return DrafterConfig.from_target(tc, num_layers, [1, 9, 17, 25, 33], block_size, vocab - 1)
 
 
@@ -75,8 +78,14 @@ def model_flops(cfg, batch) -> float:
 
 
 def check_flex_vs_sdpa(dev):
+    for partial in (1.0, 0.25):  # Qwen3 rotates the whole head, Qwen3.5 a quarter of it
+        check_flex_vs_sdpa_once(dev, partial)
+
+
+def check_flex_vs_sdpa_once(dev, partial_rotary_factor):
     torch.manual_seed(0)
-    cfg = qwen3_8b_config(num_layers=2, hidden=256, inter=512, heads=4, kv=2, vocab=1000)
+    cfg = qwen3_8b_config(num_layers=2, hidden=256, inter=512, heads=4, kv=2, vocab=1000,
+                          partial_rotary_factor=partial_rotary_factor)
     gen = torch.Generator().manual_seed(1)
     batch = make_batch(cfg, 2, 300, 40, dev, gen)
     batch.lengths[1] = 250
@@ -90,7 +99,8 @@ def check_flex_vs_sdpa(dev):
         res[attn] = (out.loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]))
     dl = abs(float(res["flex"][0] - res["sdpa"][0])) / abs(float(res["sdpa"][0]))
     dg = float((res["flex"][1] - res["sdpa"][1]).norm() / res["sdpa"][1].norm())
-    print(f"check flex vs sdpa (fp32): loss rel diff {dl:.2e}, grad rel diff {dg:.2e}")
+    print(f"check flex vs sdpa (fp32, rotary {cfg.rotary_dim}/{cfg.head_dim} dims): loss rel diff {dl:.2e}, "
+          f"grad rel diff {dg:.2e}")
     assert dl < 1e-3 and dg < 1e-2, "flex attention path disagrees with the dense SDPA path"
 
 
