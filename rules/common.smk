@@ -263,6 +263,48 @@ def generation_group_members(gengroup):
     return [s for s in shard_ids() if generation_group_of(s) == gengroup]
 
 
+# ------------------------------------------------------------------ generation calibration
+
+CALIBRATE = GEN.get("calibrate") or {}
+CALIBRATION = os.path.join(R, "calibration/generation.json")
+GENERATION_GATE = os.path.join(R, "calibration/gate.ok")
+
+
+def calibration_token_files(wildcards):
+    # ancient: redone token files (one shard changed, another max_length) draw no new sample
+    return [ancient(p) for p in expand(os.path.join(R, "tokens/source/{shard}.parquet"), shard=shard_ids())]
+
+
+def calibration_shard_files(wildcards):
+    return [ancient(p) for p in expand(os.path.join(R, "ingest/shards/{shard}.parquet"), shard=shard_ids())]
+
+
+def calibration_settings():
+    """What decides the measured rate, as `calibrate --settings`: backend, target and sampling. These are the
+    calibrate rule's params, so nothing else (limits, progress, retries, resources) recalibrates."""
+    keys = ["backend", "api", "max_in_flight", "max_new_tokens", "temperature", "top_p", "top_k", "seed"]
+    keys += ["enable_thinking", "turns", "on_length", "length_retry_max_new_tokens", "model_name"]
+    extra = dict(TRUST)
+    if GEN["backend"] == "hf":
+        hf_keys = ("batch_size", "device", "dtype", "threads", "context_length")
+        extra.update({k: GEN_HF[k] for k in hf_keys if GEN_HF.get(k) not in (None, "")})
+    elif GEN["backend"] == "servers":
+        extra["servers"] = GEN["servers"]
+    else:
+        extra["sglang_json"] = json.dumps(GEN_SGLANG, sort_keys=True)
+    return stage_settings("generate", keys=keys, **extra)
+
+
+def generation_limits():
+    limits = {"--max-wall-hours": GEN.get("max_wall_hours"), "--max-gpu-hours": GEN.get("max_gpu_hours")}
+    return " ".join(f"{flag} {value}" for flag, value in limits.items() if value is not None)
+
+
+def plan_calibration():
+    """The plan projects generation from the calibration when there is a generation."""
+    return [CALIBRATION] if GEN["enabled"] else []
+
+
 # ------------------------------------------------------------------ extraction and training
 
 EXTRACT = config["extract"]
@@ -321,8 +363,10 @@ def report_inputs(wildcards):
         "train": os.path.join(R, "train/drafter"),
         "evaluate": os.path.join(R, "evaluate/report.json"),
     }
+    inputs["plan"] = os.path.join(R, "plan.json")
     if config["generate"]["enabled"]:
         inputs["generation"] = expand(os.path.join(R, "completions/{shard}.summary.json"), shard=shard_ids())
+        inputs["calibration"] = CALIBRATION
     if config["train"]["mode"] == "offline":  # hidden-state shards exist only when training reads them
         inputs["extraction"] = expand(os.path.join(R, "hidden/{shard}.stats.json"), shard=shard_ids())
     return inputs

@@ -5,6 +5,7 @@ rule plan:
     input:
         tokens=lambda wc: expand(os.path.join(R, "tokens/source/{shard}.parquet"), shard=shard_ids()),
         model=target_model_files(),
+        calibration=plan_calibration(),
     output:
         text=os.path.join(R, "plan.txt"),
         json=os.path.join(R, "plan.json"),
@@ -15,7 +16,7 @@ rule plan:
     params:
         model=lambda wc, input: target_model_dir(input.model),
         config=json.dumps(
-            {k: config.get(k) for k in ("generate", "tokenize", "extract", "drafter", "train")},
+            {k: config.get(k) for k in ("generate", "tokenize", "extract", "drafter", "train", "cost")},
             sort_keys=True,
             default=str,
         ),
@@ -23,7 +24,8 @@ rule plan:
     shell:
         # printed to the terminal as well: this is what the user must read before the GPUs start
         "dflash-pipeline plan --tokens {input.tokens:q} --model {params.model:q} --config {params.config:q} "
-        "--hidden-stats {params.stats:q} --out {output.text:q} --json {output.json:q} 2>&1 | tee {log:q}; "
+        "--hidden-stats {params.stats:q} --calibration {input.calibration:q} --out {output.text:q} "
+        "--json {output.json:q} 2>&1 | tee {log:q}; "
         "exit ${{PIPESTATUS[0]}}"
 
 

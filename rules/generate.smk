@@ -15,6 +15,10 @@ if GEN["enabled"] and GEN["shards_per_job"] == 1:
             shard=os.path.join(R, "ingest/shards/{shard}.parquet"),
             # ancient: the gate must have passed, but its rewrite (another shard changed) redoes no generation
             gate=ancient(os.path.join(R, "audit/source/gate.ok")),
+            # the calibration and the generation gate (rules/calibrate.smk) come first; ancient: a new plan or
+            # calibration redoes no finished generation
+            calibration=ancient(CALIBRATION),
+            generation_gate=ancient(GENERATION_GATE),
             model=target_model_files(),
         output:
             completions=os.path.join(R, "completions/{shard}.parquet"),
@@ -34,7 +38,8 @@ if GEN["enabled"] and GEN["shards_per_job"] == 1:
             flags=GEN_FLAGS,
         shell:
             "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline generate --input {input.shard:q} --out {output.completions:q} --model {params.model:q} "
-            "--journal-dir {params.journal:q} --server-log-dir {params.server_logs:q} {params.flags} > {log:q} 2>&1"
+            "--journal-dir {params.journal:q} --server-log-dir {params.server_logs:q} --calibration {input.calibration:q} "
+            "{params.flags} > {log:q} 2>&1"
 
 elif GEN["enabled"]:
 
@@ -45,6 +50,10 @@ elif GEN["enabled"]:
             ),
             # ancient: the gate must have passed, but its rewrite (another shard changed) redoes no generation
             gate=ancient(os.path.join(R, "audit/source/gate.ok")),
+            # the calibration and the generation gate (rules/calibrate.smk) come first; ancient: a new plan or
+            # calibration redoes no finished generation
+            calibration=ancient(CALIBRATION),
+            generation_gate=ancient(GENERATION_GATE),
             model=target_model_files(),
         output:
             directory(os.path.join(R, "completions/groups/{gengroup}")),
@@ -66,7 +75,8 @@ elif GEN["enabled"]:
             flags=GEN_FLAGS,
         shell:
             "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline generate --input {input.shards:q} --out {params.outs:q} --model {params.model:q} "
-            "--journal-dir {params.journal:q} --server-log-dir {params.server_logs:q} {params.flags} > {log:q} 2>&1"
+            "--journal-dir {params.journal:q} --server-log-dir {params.server_logs:q} --calibration {input.calibration:q} "
+            "{params.flags} > {log:q} 2>&1"
 
     rule completions_from_group:
         input:

@@ -22,12 +22,14 @@ rule run_report:
         # named inputs are absent while the manifest checkpoint is pending (a dry run formats this anyway)
         train=lambda wc, input: input.get("train", ""),
         evaluate=lambda wc, input: input.get("evaluate", ""),
+        plan=lambda wc, input: input.get("plan", ""),
+        calibration=lambda wc, input: input.get("calibration", ""),
         benchmarks=os.path.join(R, "benchmarks"),
         out_dir=lambda wc, output: os.path.dirname(output.summary),
     shell:
         "dflash-pipeline report-figures --generation {params.generation:q} --extraction {params.extraction:q} "
         "--train {params.train:q} --evaluate {params.evaluate:q} --benchmarks {params.benchmarks:q} "
-        "--out-dir {params.out_dir:q} > {log:q} 2>&1"
+        "--plan {params.plan:q} --calibration {params.calibration:q} --out-dir {params.out_dir:q} > {log:q} 2>&1"
 
 
 # Jobs too small to be worth a cluster slot (seconds of work, no GPU): on SLURM or Kubernetes they run in

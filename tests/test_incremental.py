@@ -157,11 +157,12 @@ def test_param_change_reruns_that_stage_and_descendants_only(done_run):
 
 def test_resource_change_reruns_nothing(done_run):
     """More GPUs, nodes or memory for a stage is a scheduling change: no finished job is redone (GPU sizes are
-    resources, not params). Only the cheap plan, whose projection depends on them, is redone."""
+    resources, not params). Only the cheap plan, whose projection depends on them, and the generation gate that reads
+    it are redone."""
     (done_run / "bigger.yaml").write_text(
         "train:\n  gpus: 2\n  nodes: 1\nevaluate:\n  gpus: 1\nextract:\n  gpus: 1\ngenerate:\n  mem_mb: 64000\n")
     plan = planned(snakemake(done_run, "-n", configfiles=("tiny.yaml", "bigger.yaml")))
-    assert set(plan) <= {"plan"}, plan
+    assert set(plan) <= {"plan", "generation_gate"}, plan  # the gate reads the new plan; no recalibration
     # while an output-changing setting of the same sections does rerun its stage
     (done_run / "longer_train.yaml").write_text("train:\n  gpus: 2\n  epochs: 2\n")
     plan = planned(snakemake(done_run, "-n", configfiles=("tiny.yaml", "longer_train.yaml")))

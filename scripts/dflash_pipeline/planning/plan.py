@@ -4,6 +4,12 @@ It reads the source token shards (they exist before generation), the target's co
 extract stage's per-shard stats if any shard is done (measured throughput and compression on this target);
 otherwise it scales the throughput measured on an H200 for a Qwen3-8B-shaped target by parameter count.
 When the hidden states would not fit comfortably on a disk it says so and prices the alternatives.
+
+With a generation calibration (`--calibration`, from `dflash-pipeline calibrate`) it projects the full
+generation from measured figures (`projection.py`): expected output tokens, wall time, GPU-hours, cost, the
+sensitivity and what changes it; and the extraction tokens from the measured answer lengths. Without one,
+generation is only bounded by max_new_tokens. `dflash-pipeline generation-gate` stops the run before the
+full generation when the projection exceeds generate.max_wall_hours / max_gpu_hours.
 """
 
 from __future__ import annotations
@@ -13,7 +19,14 @@ import glob
 import json
 import os
 
+import sys
+from collections.abc import Sequence
+
 from dflash_pipeline import storage
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.planning.projection import (
+    RunShape, fmt_hours, gate_failures, project_generation, render_generation,
+)
 from dflash_pipeline.target_layers import resolve_target_layer_ids
 
 # measured by benchmarks/extract_throughput.py on one H200 (see README): Qwen3-8B shape, compiled layers,
@@ -79,11 +92,30 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def generation_jobs(shards: Sequence[str], shards_per_job: int) -> int:
+    """How many generation jobs the workflow makes: consecutive groups of shards_per_job shards per source."""
+    groups = set()
+    for name in shards:
+        src, _, k = name.rpartition("-")
+        groups.add((src, int(k) // max(1, shards_per_job) if k.isdigit() else name))
+    return max(1, len(groups))
+
+
+def expected_extract_tokens(prompt_lengths: list[int], output_lengths: list[int], max_len: int) -> float:
+    """Sum over samples of E[min(max_len, prompt + answer)], answers drawn from the measured lengths."""
+    import numpy as np
+
+    p = np.asarray(prompt_lengths, dtype=np.float64)
+    total = sum(float(np.minimum(max_len, p + v).sum()) for v in output_lengths)
+    return total / max(len(output_lengths), 1)
+
+
 def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: dict, extract: dict,
               train: dict | None = None, measured_run: dict | None = None, scale: float = 1.0,
-              gpu_tok_s: float | None = None) -> dict:
+              gpu_tok_s: float | None = None, calibration: dict | None = None, jobs: int = 1,
+              cost: dict | None = None) -> dict:
     """All the numbers of the plan (pure: testable without files). `scale` extrapolates the token files
-    to a dataset `scale` times larger (plan a full run from a sample)."""
+    to a dataset `scale` times larger (plan a full run from a sample); `jobs`: generation jobs of the whole run."""
     n = tok["samples"] * scale
     max_len = int(tokenize.get("max_length", 3072))
     prompt = (tok["tokens"] - tok["loss_tokens"]) * scale
@@ -95,6 +127,15 @@ def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: di
         plan["generate_response_tokens_max"] = n * max_new
         # regenerated samples: each prompt plus at most max_new new tokens, cut at max_length (upper bound)
         plan["extract_tokens"] = sum(min(max_len, p + max_new) for p in tok["prompt_lengths"]) * scale
+        if calibration:
+            run_shape = RunShape(samples=n, jobs=max(1, jobs),
+                                 parallel_jobs=int(generate.get("parallel_jobs") or 1),
+                                 gpus_per_job=int(generate.get("gpus") or 0), max_new_tokens=max_new,
+                                 gpu_hour_usd=(cost or {}).get("gpu_hour_usd"))
+            plan["generation"] = project_generation(calibration, run_shape)
+            lengths = calibration["output_tokens"].get("per_sample_all") or [calibration["output_tokens"]["mean"]]
+            plan["extract_tokens_bound"] = plan["extract_tokens"]
+            plan["extract_tokens"] = expected_extract_tokens(tok["prompt_lengths"], lengths, max_len) * scale
     else:
         plan["extract_tokens"] = sum(min(max_len, L) for L in tok["lengths"]) * scale
     codec = extract.get("codec", "zstd")
@@ -114,6 +155,9 @@ def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: di
                   f"for a Qwen3-8B-shaped target")
     plan.update({"extract_tok_s": tok_s, "extract_tok_s_source": source,
                  "extract_gpu_hours": plan["extract_tokens"] / tok_s / 3600})
+    usd = (cost or {}).get("gpu_hour_usd")
+    plan["gpu_hour_usd"] = usd
+    plan["extract_cost_usd"] = plan["extract_gpu_hours"] * usd if usd else None
     epochs = int((train or {}).get("epochs", 6))
     plan["train_tokens"] = plan["extract_tokens"] * epochs
     plan["train_epochs"] = epochs
@@ -130,16 +174,22 @@ def render(plan: dict, shape: dict, layer_ids, disk_warn_bytes: float = 1 * TB) 
         f"  source tokens: {f(plan['source_tokens'])} (prompt {f(plan['prompt_tokens'])}, "
         f"response {f(plan['source_response_tokens'])})",
     ]
-    if "generate_response_tokens_max" in plan:
+    if "generation" in plan:
+        lines += render_generation(plan["generation"])
+    elif "generate_response_tokens_max" in plan:
         lines.append(f"  generate: {f(plan['samples'])} prompts, {f(plan['prompt_tokens'])} prompt tokens, "
-                     f"at most {f(plan['generate_response_tokens_max'])} response tokens")
+                     f"at most {f(plan['generate_response_tokens_max'])} response tokens (no calibration: "
+                     "not a projection)")
+    how = "expected (measured answer lengths)" if "extract_tokens_bound" in plan else "at most"
+    cost = f", ${plan['extract_cost_usd']:,.0f}" if plan.get("extract_cost_usd") is not None else ""
     lines += [
-        f"  extract: at most {f(plan['extract_tokens'])} tokens x {len(layer_ids)} layers x {shape['hidden_size']} "
+        f"  extract: {how} {f(plan['extract_tokens'])} tokens x {len(layer_ids)} layers x {shape['hidden_size']} "
         f"x 2 bytes = {human_bytes(plan['hidden_bytes_raw'])} raw bf16; stored with codec {plan['codec']} "
         f"(x{plan['ratio']:.2f}): {human_bytes(plan['hidden_bytes'])}",
-        f"  extract GPU time: {plan['extract_gpu_hours']:.2f} GPU-hours at {plan['extract_tok_s']:,.0f} tok/s "
+        f"  extract GPU time: {plan['extract_gpu_hours']:.2f} GPU-hours{cost} at {plan['extract_tok_s']:,.0f} tok/s "
         f"({plan['extract_tok_s_source']})",
-        f"  train: {f(plan['train_tokens'])} tokens over {plan['train_epochs']} epochs",
+        f"  train: {f(plan['train_tokens'])} tokens over {plan['train_epochs']} epochs (GPU time not projected: "
+        "no measured training rate)",
     ]
     if plan["hidden_bytes"] >= disk_warn_bytes:
         hb = plan["hidden_bytes"]
@@ -163,6 +213,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="{}", help="JSON of the config sections generate, tokenize, extract, drafter, train")
     p.add_argument("--hidden-stats", help="glob of extracted shards' .stats.json (measured throughput, compression)")
     p.add_argument("--scale", type=float, default=1.0, help="extrapolate to a dataset this many times larger")
+    p.add_argument("--calibration", nargs="?", default=None, help="a generation calibration (`dflash-pipeline "
+                   "calibrate`): project the full generation from its measured figures (no value: none)")
     p.add_argument("--out", help="write the plan text here (it is printed too)")
     p.add_argument("--json", help="write the plan numbers here")
 
@@ -173,9 +225,15 @@ def run(args) -> int:
     layer_ids = resolve_target_layer_ids(cfg.get("drafter"), shape["num_layers"])
     tok = token_stats(args.tokens)
     extract_cfg = cfg.get("extract") or {}
-    plan = make_plan(tok, shape, layer_ids, generate=cfg.get("generate") or {}, tokenize=cfg.get("tokenize") or {},
+    gen_cfg = cfg.get("generate") or {}
+    calibration = storage.read_json(args.calibration) if args.calibration else None
+    jobs = generation_jobs([os.path.basename(str(t)).removesuffix(".parquet") for t in args.tokens],
+                           int(gen_cfg.get("shards_per_job") or 1))
+    jobs = round(jobs * args.scale)
+    plan = make_plan(tok, shape, layer_ids, generate=gen_cfg, tokenize=cfg.get("tokenize") or {},
                      extract=extract_cfg, train=cfg.get("train"), measured_run=measured(args.hidden_stats),
-                     scale=args.scale, gpu_tok_s=extract_cfg.get("assumed_tokens_per_s"))
+                     scale=args.scale, gpu_tok_s=extract_cfg.get("assumed_tokens_per_s"), calibration=calibration,
+                     jobs=jobs, cost=cfg.get("cost"))
     text = render(plan, shape, layer_ids, disk_warn_bytes=float(extract_cfg.get("warn_bytes", TB)))
     print(text, end="")
     if args.out:
@@ -183,4 +241,35 @@ def run(args) -> int:
             fh.write(text)
     if args.json:
         storage.write_json(args.json, {**plan, "target": shape, "target_layer_ids": layer_ids})
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# the generation gate
+# --------------------------------------------------------------------------------------------------------
+def add_generation_gate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plan", required=True, help="plan.json (written by `dflash-pipeline plan --calibration`)")
+    p.add_argument("--max-wall-hours", type=float, help="config generate.max_wall_hours (none: no limit)")
+    p.add_argument("--max-gpu-hours", type=float, help="config generate.max_gpu_hours (none: no limit)")
+    p.add_argument("--out", required=True, help="written only when the projection is within the limits")
+
+
+def run_generation_gate(args) -> int:
+    plan = storage.read_json(args.plan)
+    proj = plan.get("generation")
+    if proj is None:
+        raise PipelineError(f"{args.plan}: no generation projection (the plan ran without --calibration)")
+    failures = gate_failures(proj, args.max_wall_hours, args.max_gpu_hours)
+    if failures:
+        print("\nGENERATION GATE: STOP before the full generation (nothing was generated).", file=sys.stderr)
+        for msg in failures:
+            print(f"  - {msg}", file=sys.stderr)
+        print("  measured figures and what would change them:", file=sys.stderr)
+        print("\n".join("  " + line for line in render_generation(proj)), file=sys.stderr)
+        print("  Change the settings (the calibration reruns when backend, target or sampling change) or raise "
+              "the limit, then rerun.", file=sys.stderr)
+        return 1
+    storage.write_json(args.out, {"wall_hours": proj["wall_hours"], "gpu_hours": proj["gpu_hours"],
+                                  "max_wall_hours": args.max_wall_hours, "max_gpu_hours": args.max_gpu_hours})
+    print(f"generation gate: passed (projected {fmt_hours(proj['wall_hours'])}, {proj['gpu_hours']:,.1f} GPU-hours)")
     return 0

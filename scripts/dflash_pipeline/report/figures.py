@@ -195,6 +195,88 @@ def stage_times(bench_dir: str | None) -> dict:
     return {k: {"jobs": len(v), "seconds": round(sum(v), 2), "max_s": round(max(v), 2)} for k, v in sorted(totals.items())}
 
 
+def _ratio(actual, planned):
+    return round(actual / planned, 3) if actual is not None and planned else None
+
+
+def _job_hours(bench_dir: str | None, stage: str) -> float | None:
+    seconds = (stage_times(bench_dir).get(stage) or {}).get("seconds")
+    return round(seconds / 3600, 4) if seconds is not None else None
+
+
+def generation_vs_calibration(plan: dict, cal: dict, summaries: list[str], bench_dir: str | None) -> list[list]:
+    """[stage, measure, calibrated/planned, actual, actual/planned] rows for generation."""
+    proj = plan.get("generation") or {}
+    rows = [_read_json(p) for p in summaries]
+    samples = sum(s.get("samples", 0) for s in rows)
+    ok = sum(s.get("ok", 0) for s in rows)
+    tokens = sum(s.get("completion_tokens", 0) for s in rows)
+    live = sorted((s.get("calibration") or {}).get("live_output_tok_s") for s in rows
+                  if (s.get("calibration") or {}).get("live_output_tok_s"))
+    actual = {
+        "output tok/s per job (start-up excluded)": live[len(live) // 2] if live else None,
+        "mean output tokens per sample": round(tokens / samples, 1) if samples else None,
+        "output tokens (whole corpus)": tokens if rows else None,
+        "finish_reason=length rate": round(sum(s.get("finish_reason_length", 0) for s in rows) / ok, 4) if ok else None,
+        "failure rate": round((samples - ok) / samples, 4) if samples else None,
+        "job-hours (Snakemake benchmarks)": _job_hours(bench_dir, "generate"),
+    }
+    planned = {
+        "output tok/s per job (start-up excluded)": (cal.get("throughput") or {}).get("output_tok_s"),
+        "mean output tokens per sample": (cal.get("output_tokens") or {}).get("mean"),
+        "output tokens (whole corpus)": proj.get("expected_output_tokens"),
+        "finish_reason=length rate": cal.get("finish_length_rate"),
+        "failure rate": cal.get("failure_rate"),
+        "job-hours (Snakemake benchmarks)": round(proj["job_hours"], 4) if "job_hours" in proj else None,
+    }
+    return [["generation", k, planned[k], actual[k], _ratio(actual[k], planned[k])] for k in planned]
+
+
+def extraction_vs_plan(plan: dict, stats: list[str], bench_dir: str | None) -> list[list]:
+    rows = [_read_json(p) for p in stats]
+    if not rows:
+        return []
+    tokens = sum(s.get("tokens", 0) for s in rows)
+    seconds = sum(s.get("seconds", 0) for s in rows)
+    pairs = {
+        "tokens": (plan.get("extract_tokens"), tokens),
+        "stored bytes": (plan.get("hidden_bytes"), sum(s.get("stored_bytes", 0) for s in rows)),
+        "tok/s": (plan.get("extract_tok_s"), round(tokens / seconds, 1) if seconds else None),
+        "job-hours (Snakemake benchmarks)": (plan.get("extract_gpu_hours"), _job_hours(bench_dir, "extract")),
+    }
+    return [["extraction", k, p, a, _ratio(a, p)] for k, (p, a) in pairs.items()]
+
+
+def plan_vs_actual(plan_path: str | None, cal_path: str | None, summaries: list[str], stats: list[str],
+                   bench_dir: str | None) -> list[list]:
+    """The calibration and the plan against what the run measured, per stage."""
+    plan = _read_json(plan_path) if plan_path and os.path.exists(plan_path) else {}
+    cal = _read_json(cal_path) if cal_path and os.path.exists(cal_path) else {}
+    rows = generation_vs_calibration(plan, cal, summaries, bench_dir) if cal else []
+    return rows + (extraction_vs_plan(plan, stats, bench_dir) if plan else [])
+
+
+def calibration_summary(path: str | None) -> dict:
+    if not path or not os.path.exists(path):
+        return {}
+    cal = _read_json(path)
+    th, out = cal.get("throughput") or {}, cal.get("output_tokens") or {}
+    return {"output_tok_s_per_job": th.get("output_tok_s"), "per_gpu": th.get("per_gpu_output_tok_s"),
+            "basis": th.get("basis"), "window": cal.get("window"), "startup_s": cal.get("startup_s"),
+            "output_tokens": {k: out.get(k) for k in ("mean", "p50", "p90", "p99", "max")},
+            "latency_s": cal.get("latency_s"), "finish_length_rate": cal.get("finish_length_rate"),
+            "failure_rate": cal.get("failure_rate"), "thinking": cal.get("thinking"), "requests": cal.get("requests")}
+
+
+def _grid(title: str, header: list[str], rows: list[list]) -> str:
+    if not rows:
+        return f"<h2>{html.escape(title)}</h2><p>not run in this configuration</p>"
+    cell = lambda v: "" if v is None else (f"{v:,.4g}" if isinstance(v, float) else str(v))  # noqa: E731
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell(v))}</td>" for v in r) + "</tr>" for r in rows)
+    return f"<h2>{html.escape(title)}</h2><table><tr>{head}</tr>{body}</table>"
+
+
 def _table(title: str, data: dict) -> str:
     if not data:
         return f"<h2>{html.escape(title)}</h2><p>not run in this configuration</p>"
@@ -205,8 +287,10 @@ def _table(title: str, data: dict) -> str:
     return f"<h2>{html.escape(title)}</h2><table>{rows}</table>"
 
 
-def write_summary(out: Path, sections: dict[str, dict]) -> None:
+def write_summary(out: Path, sections: dict[str, dict], versus: list[list] | None = None) -> None:
     body = "".join(_table(title, data) for title, data in sections.items())
+    body += _grid("Calibration and plan vs actual", ["stage", "measure", "calibrated / planned", "actual",
+                                                     "actual / planned"], versus or [])
     page = ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>DFlash pipeline run</title><style>"
             "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin-bottom:1em}"
             "th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}th{background:#f4f4f4}"
@@ -221,6 +305,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", default=None, help="the trained drafter directory (its metrics.jsonl)")
     p.add_argument("--evaluate", default=None, help="evaluate/report.json")
     p.add_argument("--benchmarks", default=None, help="the run's benchmarks directory")
+    p.add_argument("--plan", default=None, help="plan.json (projections to compare with the actual run)")
+    p.add_argument("--calibration", default=None, help="the generation calibration (calibration/generation.json)")
     p.add_argument("--out-dir", required=True)
 
 
@@ -234,7 +320,9 @@ def run(args) -> int:
         "Training": training_figure(metrics, out / "training.png"),
         "Acceptance length (tau)": tau_figure(args.evaluate, out / "tau.png"),
         "Stage wall time (Snakemake benchmarks)": stage_times(args.benchmarks),
+        "Generation calibration": calibration_summary(args.calibration),
     }
-    write_summary(out / "summary.html", sections)
+    versus = plan_vs_actual(args.plan, args.calibration, args.generation, args.extraction, args.benchmarks)
+    write_summary(out / "summary.html", sections, versus)
     print(json.dumps({k: v for k, v in sections.items()}, default=str)[:2000])
     return 0

@@ -1,0 +1,72 @@
+# Generation calibration, before the full generation (README: Generation, "Calibration"). The configured
+# backend, started exactly as `generate` starts it, answers a stratified sample of the real prompts; the plan
+# projects the whole corpus from the measured rate; the generation gate stops the run before any generation
+# job when the projection exceeds generate.max_wall_hours / generate.max_gpu_hours.
+#
+# Cached: the calibration reruns only when what decides the rate changes (its params: backend settings,
+# target, sampling) or the sample does; new token files, limits or progress settings do not recalibrate.
+
+
+rule calibration_sample:
+    input:
+        tokens=calibration_token_files,
+        shards=calibration_shard_files,
+    output:
+        os.path.join(R, "calibration/sample.parquet"),
+    log:
+        log("calibration_sample"),
+    conda:
+        ENV_CPU
+    params:
+        samples=CALIBRATE.get("samples", 256),
+        warmup=CALIBRATE.get("warmup_requests", 8),
+        seed=CALIBRATE.get("seed", 0),
+    shell:
+        "dflash-pipeline calibrate-sample --tokens {input.tokens:q} --shards {input.shards:q} "
+        "--samples {params.samples} --warmup {params.warmup} --seed {params.seed} --out {output:q} > {log:q} 2>&1"
+
+
+rule calibrate:
+    input:
+        sample=os.path.join(R, "calibration/sample.parquet"),
+        model=target_model_files(),
+    output:
+        CALIBRATION,
+    log:
+        log("calibrate"),
+    benchmark:
+        bench("calibrate")
+    conda:
+        GEN_ENV
+    resources:
+        **GEN_RESOURCES,
+    params:
+        model=lambda wc, input: target_model_dir(input.model),
+        settings=calibration_settings(),
+        server_logs=log("calibrate.servers").removesuffix(".log"),
+    shell:
+        # the measured figures go to the terminal as well
+        "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline calibrate --input {input.sample:q} "
+        "--out {output:q} --model {params.model:q} --server-log-dir {params.server_logs:q} "
+        "--gpus-per-job {resources.gpu} --settings {params.settings:q} 2>&1 | tee {log:q}; exit ${{PIPESTATUS[0]}}"
+
+
+rule generation_gate:
+    input:
+        os.path.join(R, "plan.json"),
+    output:
+        GENERATION_GATE,
+    log:
+        log("generation_gate"),
+    conda:
+        ENV_CPU
+    params:
+        limits=generation_limits(),
+    shell:
+        # the reason goes to the terminal as well as the log: this is what the user must read
+        "dflash-pipeline generation-gate --plan {input:q} {params.limits} --out {output:q} 2>&1 | tee {log:q}; "
+        "exit ${{PIPESTATUS[0]}}"
+
+
+localrules:
+    generation_gate,

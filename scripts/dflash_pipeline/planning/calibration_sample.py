@@ -1,0 +1,161 @@
+"""`dflash-pipeline calibrate-sample`: the prompts a generation calibration sends, drawn from the real corpus.
+
+A stratified sample: the corpus's prompts are sorted by length (from the source token files: `length -
+num_loss_tokens`, the tokens that are not an answer) and cut into `samples` strata of equal count; one prompt
+is drawn from each stratum, from the shard drawn least so far. So the sample covers the prompt-length
+distribution quantile by quantile (equal-count strata make it self-weighting: its plain mean estimates the
+corpus mean) and spreads over the shards. A few extra prompts, drawn at random from the rest, are the
+warm-up: sent first and left out of every measurement.
+
+Writes one Parquet file: the ingested rows (SAMPLE_SCHEMA) of the chosen samples plus `shard`, `stratum`,
+`prompt_tokens_est` and `phase` (warmup | measure); the corpus's size and prompt-length quantiles go into
+the file's metadata (key `calibration_sample`), so the calibration can state how representative it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_pipeline import storage
+from dflash_pipeline.data.conversations import SAMPLE_SCHEMA
+from dflash_pipeline.errors import PipelineError
+
+SAMPLE_FILE_SCHEMA = pa.schema(list(SAMPLE_SCHEMA) + [
+    ("shard", pa.string()), ("stratum", pa.int32()), ("prompt_tokens_est", pa.int64()), ("phase", pa.string()),
+])
+METADATA_KEY = b"calibration_sample"
+
+
+def shard_name(path: str) -> str:
+    return Path(str(path).rstrip("/")).name.removesuffix(".parquet")
+
+
+def read_prompt_lengths(token_files: list[str]) -> list[tuple[str, str, int]]:
+    """(shard, sample_id, prompt tokens) of every sample, from the source token files' small columns."""
+    out = []
+    for path in token_files:
+        with storage.open_binary(path) as fh:
+            try:
+                t = pq.read_table(fh, columns=["sample_id", "length", "num_loss_tokens"])
+            except (pa.ArrowInvalid, KeyError) as exc:
+                raise PipelineError(f"{path}: not a token file (sample_id, length, num_loss_tokens): {exc}") from None
+        name = shard_name(path)
+        ids = t.column("sample_id").to_pylist()
+        lengths = t.column("length").to_pylist()
+        loss = t.column("num_loss_tokens").to_pylist()
+        out.extend((name, sid, int(n - m)) for sid, n, m in zip(ids, lengths, loss))
+    return out
+
+
+def stratified(population: list[tuple[str, str, int]], samples: int, warmup: int, seed: int):
+    """(measured, warm-up) lists of (shard, sample_id, prompt_len, stratum) drawn from `population`."""
+    if not population:
+        raise PipelineError("calibration: the corpus has no samples")
+    rng = random.Random(seed)
+    order = sorted(range(len(population)), key=lambda i: (population[i][2], rng.random()))
+    n = min(samples, len(order))
+    used: dict[str, int] = defaultdict(int)
+    chosen: list[int] = []
+    for k in range(n):
+        stratum = order[k * len(order) // n:(k + 1) * len(order) // n]
+        by_shard: dict[str, list[int]] = defaultdict(list)
+        for i in stratum:
+            by_shard[population[i][0]].append(i)
+        fewest = min(used[s] for s in by_shard)
+        shard = rng.choice(sorted(s for s in by_shard if used[s] == fewest))
+        used[shard] += 1
+        chosen.append(rng.choice(by_shard[shard]))
+    strata = {i: k for k, i in enumerate(chosen)}
+    rest = sorted(set(range(len(population))) - set(chosen))
+    warm = rng.sample(rest, min(warmup, len(rest)))
+    pick = lambda idx, stratum: (*population[idx], stratum)  # noqa: E731
+    return [pick(i, strata[i]) for i in chosen], [pick(i, -1) for i in warm]
+
+
+def quantiles(values: list[int], qs=(0.1, 0.25, 0.5, 0.75, 0.9, 0.99)) -> dict[str, float]:
+    if not values:
+        return {}
+    s = sorted(values)
+    return {f"p{round(q * 100)}": float(s[min(len(s) - 1, int(q * len(s)))]) for q in qs} | {
+        "mean": sum(s) / len(s), "max": float(s[-1])}
+
+
+def read_rows(shard_files: dict[str, str], wanted: dict[str, set[str]]) -> dict[str, dict]:
+    """sample_id -> ingested row, reading only the shards that hold a wanted sample."""
+    rows = {}
+    for shard, ids in wanted.items():
+        if shard not in shard_files:
+            raise PipelineError(f"calibration: token file of shard {shard!r} has no ingested shard among --shards")
+        with storage.open_binary(shard_files[shard]) as fh:
+            table = pq.read_table(fh, columns=["sample_id", "source", "source_id", "messages"])
+        sids = table.column("sample_id").to_pylist()
+        take = [i for i, s in enumerate(sids) if s in ids]
+        for row in table.take(take).to_pylist():
+            rows[row["sample_id"]] = row
+        missing = ids - {sids[i] for i in take}
+        if missing:
+            raise PipelineError(f"{shard_files[shard]}: samples {sorted(missing)[:3]} of its token file are missing "
+                                "(token files and shards out of step)")
+    return rows
+
+
+def build(token_files: list[str], shard_files: list[str], samples: int, warmup: int, seed: int):
+    """The sample table and the corpus description that goes into its metadata."""
+    population = read_prompt_lengths(token_files)
+    measured, warm = stratified(population, samples, warmup, seed)
+    wanted: dict[str, set[str]] = defaultdict(set)
+    for shard, sid, _, _ in measured + warm:
+        wanted[shard].add(sid)
+    rows = read_rows({shard_name(p): p for p in shard_files}, wanted)
+    records = [{**rows[sid], "shard": shard, "stratum": stratum, "prompt_tokens_est": plen, "phase": phase}
+               for phase, picks in (("warmup", warm), ("measure", measured)) for shard, sid, plen, stratum in picks]
+    corpus = {
+        "samples": len(population), "shards": len({p[0] for p in population}),
+        "prompt_tokens_est": quantiles([p[2] for p in population]),
+        "sample_prompt_tokens_est": quantiles([p[2] for p in measured]),
+        "sample_shards": len({p[0] for p in measured}), "measured": len(measured), "warmup": len(warm),
+        "seed": seed, "method": "equal-count prompt-length strata, one draw each, from the least-drawn shard",
+    }
+    table = pa.Table.from_pylist(records, schema=SAMPLE_FILE_SCHEMA)
+    return table.replace_schema_metadata({METADATA_KEY: json.dumps(corpus).encode()}), corpus
+
+
+def read_sample(path: str) -> tuple[list[dict], list[dict], dict]:
+    """(warm-up rows, measured rows, corpus description) of a calibration sample file."""
+    with storage.open_binary(path) as fh:
+        table = pq.read_table(fh)
+    meta = (table.schema.metadata or {}).get(METADATA_KEY)
+    if meta is None or "phase" not in table.column_names:
+        raise PipelineError(f"{path}: not a calibration sample (written by `dflash-pipeline calibrate-sample`)")
+    rows = table.to_pylist()
+    return ([r for r in rows if r["phase"] == "warmup"], [r for r in rows if r["phase"] == "measure"],
+            json.loads(meta))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", nargs="+", required=True, help="source token files (prompt lengths)")
+    p.add_argument("--shards", nargs="+", required=True, help="the ingested shards (the prompts themselves)")
+    p.add_argument("--samples", type=int, default=256, help="measured prompts (config generate.calibrate.samples)")
+    p.add_argument("--warmup", type=int, default=8, help="extra prompts sent first and not measured")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="the sample (Parquet)")
+
+
+def run(args) -> int:
+    if args.samples < 1:
+        raise PipelineError("--samples must be at least 1")
+    table, corpus = build(args.tokens, args.shards, args.samples, args.warmup, args.seed)
+    with storage.atomic_path(args.out, suffix=".parquet") as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+    print(f"calibration sample: {corpus['measured']} prompts (+{corpus['warmup']} warm-up) from "
+          f"{corpus['sample_shards']} of {corpus['shards']} shards, {corpus['samples']:,} samples in the corpus; "
+          f"median prompt {corpus['sample_prompt_tokens_est'].get('p50', 0):.0f} tokens "
+          f"(corpus {corpus['prompt_tokens_est'].get('p50', 0):.0f})")
+    return 0

@@ -1,0 +1,140 @@
+"""Generation calibration: the stratified sample, the measured rate against the SGLang-speaking test server
+(a simulated decode rate we control), the projection against a measured full run, and the generation gate."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from conftest import run_cli
+from dflash_pipeline.data.conversations import SAMPLE_SCHEMA, sample_id
+from dflash_pipeline.planning.calibration_sample import stratified
+from generation_helpers import SGLangTestServer, read_summary
+from workflow_runs import make_workdir, planned, snakemake
+
+RATE = 2500  # output tokens/s of the simulated server, shared by the requests in flight
+FAST = ["--backoff-base", "0.02", "--backoff-max", "0.2", "--progress-interval", "0.5"]
+
+
+def synthetic_corpus(root: Path, shards=(8, 40, 110), per_shard=100, seed=0):
+    """Shards whose prompts differ in length (the instant server answers longer prompts at more length);
+    returns (ingested shard paths, token file paths)."""
+    rng = random.Random(seed)
+    shard_paths, token_paths = [], []
+    for k, mean_words in enumerate(shards):
+        rows, toks = [], []
+        for i in range(per_shard):
+            words = max(1, int(rng.gauss(mean_words, mean_words / 3)))
+            messages = [{"role": "user", "content": f"q{k}.{i} " + " ".join(["word"] * words), "reasoning_content": None},
+                        {"role": "assistant", "content": "OK.", "reasoning_content": None}]
+            sid = sample_id(messages)
+            rows.append({"sample_id": sid, "source": "syn", "source_id": None, "messages": messages})
+            toks.append({"sample_id": sid, "length": words + 1 + 7, "num_loss_tokens": 7})
+        shard = root / "ingest" / f"syn-{k:05d}.parquet"
+        tokens = root / "tokens" / f"syn-{k:05d}.parquet"
+        for path in (shard, tokens):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA), shard)
+        pq.write_table(pa.table({"sample_id": [t["sample_id"] for t in toks],
+                                 "length": pa.array([t["length"] for t in toks], pa.int32()),
+                                 "num_loss_tokens": pa.array([t["num_loss_tokens"] for t in toks], pa.int32())}),
+                       tokens)
+        shard_paths.append(shard)
+        token_paths.append(tokens)
+    return shard_paths, token_paths
+
+
+def backend_args(url: str) -> list[str]:
+    return ["--backend", "servers", "--servers", url, "--max-in-flight", "16", "--max-new-tokens", "512",
+            "--temperature", "0"]
+
+
+# ------------------------------------------------------------------------------------------------------
+def test_stratified_sample_spans_prompt_lengths_and_shards():
+    rng = random.Random(1)
+    population = [(f"s{k}", f"{k}-{i}", int(rng.expovariate(1 / (10 + 100 * k))))
+                  for k in range(5) for i in range(2000)]
+    measured, warm = stratified(population, 100, 8, seed=3)
+    assert len(measured) == 100 and len(warm) == 8
+    assert len({m[1] for m in measured} | {w[1] for w in warm}) == 108  # no repeats, warm-up apart
+    assert {m[0] for m in measured} == {f"s{k}" for k in range(5)}
+    # one draw per equal-count stratum: the sample's quantiles are the corpus's
+    lengths = sorted(p[2] for p in population)
+    sample = sorted(m[2] for m in measured)
+    for q in (0.1, 0.5, 0.9):
+        lo, hi = lengths[int((q - 0.02) * len(lengths))], lengths[int((q + 0.02) * len(lengths))]
+        assert lo <= sample[int(q * 100)] <= hi
+    assert abs(sum(sample) / 100 - sum(lengths) / len(lengths)) < 0.05 * sum(lengths) / len(lengths)
+    # the first 100 prompts of the first shard, for contrast, say nothing about the corpus
+    assert sum(p[2] for p in population[:100]) / 100 < 0.3 * sum(lengths) / len(lengths)
+
+
+def test_projection_within_ten_percent_of_the_measured_full_run(tmp_path, tiny_target, monkeypatch):
+    """Long-lived servers (backend `servers`): the same endpoints serve the calibration and the full run."""
+    monkeypatch.setenv("DFLASH_TEST_SERVER_TOKENS_PER_S", str(RATE))
+    monkeypatch.setenv("DFLASH_TEST_SERVER_ANSWER_WORDS_PER_PROMPT_WORD", "1.0")
+    shards, tokens = synthetic_corpus(tmp_path)
+    sample = tmp_path / "calibration" / "sample.parquet"
+    run_cli("calibrate-sample", "--tokens", *tokens, "--shards", *shards, "--samples", "48", "--warmup", "4",
+            "--out", sample)
+    cal_path = tmp_path / "calibration" / "generation.json"
+    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3") as server:
+        proc = run_cli("calibrate", "--input", sample, "--out", cal_path, *FAST, *backend_args(server.url))
+        cal = json.loads(cal_path.read_text())
+        cfg = {"generate": {"enabled": True, "max_new_tokens": 512, "shards_per_job": 3, "gpus": 0},
+               "tokenize": {"max_length": 4096}, "extract": {"codec": "zstd"}, "drafter": {"num_layers": 2}}
+        run_cli("plan", "--tokens", *tokens, "--model", tiny_target, "--config", json.dumps(cfg),
+                "--calibration", cal_path, "--json", tmp_path / "plan.json")
+        projected = json.loads((tmp_path / "plan.json").read_text())["generation"]
+        # the full run: every shard in one job, the same servers and flags
+        outs = [tmp_path / "out" / s.name for s in shards]
+        full = run_cli("generate", "--input", *shards, "--out", *outs, *FAST, *backend_args(server.url),
+                       "--calibration", cal_path)
+    assert "CALIBRATION (48 samples from 3 shards" in proc.stdout
+    assert 0.9 * RATE < cal["throughput"]["output_tok_s"] < 1.1 * RATE, cal["throughput"]
+    assert cal["throughput"]["steady_state"] and cal["output_tokens"]["max"] > 3 * cal["output_tokens"]["p10"]
+    assert cal["requests"] == {"samples": 48, "ok": 48, "failed": 0, "attempts": 48, "workers": 16}
+    assert cal["window"]["warmup_requests"] == 4 and cal["failure_rate"] == 0
+    assert cal["thinking"]["samples_with_thinking"] == 1.0
+    summaries = [read_summary(o) for o in outs]
+    actual_s = max(s["this_run"]["wall_s"] for s in summaries)
+    actual_tokens = sum(s["completion_tokens"] for s in summaries)
+    assert abs(projected["expected_output_tokens"] - actual_tokens) < 0.05 * actual_tokens
+    assert abs(projected["wall_hours"] * 3600 - actual_s) < 0.10 * actual_s, (projected, actual_s)
+    # the live rate against the calibration, in the progress lines and every shard's summary
+    assert "of calibration" in full.stderr
+    assert all(0.8 < s["calibration"]["ratio"] < 1.2 for s in summaries)
+
+
+def test_workflow_gate_stops_before_generation_and_reruns_do_not_recalibrate(tmp_path, tiny_target):
+    """One real Snakemake run (tiny demo config, hf backend on CPU) up to the generation gate."""
+    work = make_workdir(tmp_path / "run", model=tiny_target)
+    configs = ("tiny.yaml", "limit.yaml")
+    (work / "limit.yaml").write_text("generate:\n  max_wall_hours: 1.0e-07\n")
+    proc = snakemake(work, "--cores", "2", configfiles=configs, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "GENERATION GATE: STOP before the full generation" in out and "exceeds generate.max_wall_hours" in out
+    assert "CALIBRATION (16 samples" in out and "what changes it" in out  # measured figures, then alternatives
+    assert not list((work / "results").glob("completions/*.parquet")), "nothing may be generated"
+    cal = work / "results/calibration/generation.json"
+    figures = json.loads(cal.read_text())
+    assert figures["requests"]["samples"] == 16 and figures["startup_s"] > 0 and figures["window"]["warmup_requests"] == 4
+    plan = json.loads((work / "results/plan.json").read_text())
+    assert plan["generation"]["wall_hours"] > 1.0e-07 and plan["generation"]["samples"] == plan["samples"]
+    stamp = cal.stat().st_mtime_ns
+    # a raised limit and other progress settings: the gate and the plan are redone, the calibration is not
+    (work / "limit.yaml").write_text("generate:\n  max_wall_hours: 1000\n  progress_interval_s: 3\n")
+    rerun = planned(snakemake(work, "-n", configfiles=configs))
+    assert "calibrate" not in rerun and "calibration_sample" not in rerun and rerun.get("generation_gate") == 1
+    snakemake(work, "--cores", "2", "results/calibration/gate.ok", configfiles=configs)
+    assert cal.stat().st_mtime_ns == stamp
+    # a sampling or backend change recalibrates (from the same sample)
+    (work / "hot.yaml").write_text("generate:\n  temperature: 0.5\n  hf:\n    batch_size: 8\n")
+    changed_run = planned(snakemake(work, "-n", configfiles=(*configs, "hot.yaml")))
+    assert changed_run.get("calibrate") == 1 and "calibration_sample" not in changed_run, changed_run
