@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline import storage
+from dflash_pipeline.drafter.runtime import save_figure
 
 log = logging.getLogger("dflash_pipeline.drafter.train")
 
@@ -108,7 +108,4 @@ def plot_metrics(records: list[dict], path: Path) -> None:
     for ax in axes[1:]:
         ax.set_xlabel("position in block (k)")
         ax.legend()
-    fig.tight_layout()
-    with storage.atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, format="png", dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)

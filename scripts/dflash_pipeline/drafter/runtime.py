@@ -32,3 +32,15 @@ def make_readable(directory: str | Path) -> None:
     for f in directory.iterdir():
         if f.is_file():
             os.chmod(f, 0o666 & ~mask)
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """A matplotlib figure as a PNG, written atomically; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    from dflash_pipeline.storage import atomic_path
+
+    fig.tight_layout()
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=90)
+    plt.close(fig)

@@ -116,7 +116,7 @@ def run_fingerprint(args, dcfg: DrafterConfig, total_steps: int, global_batch: i
 
 
 @dataclass
-class Run:
+class TrainingRun:
     """Everything one training run holds, built by `setup_run`."""
 
     args: argparse.Namespace
@@ -199,7 +199,7 @@ def _wrap_for_training(args, drafter: DFlashDrafter, dist_: Dist) -> torch.nn.Mo
     return DistributedDataParallel(drafter, device_ids=[dist_.device.index] if gpu else None)
 
 
-def setup_run(args) -> Run:
+def setup_run(args) -> TrainingRun:
     dist_ = Dist(args.device)
     dev = dist_.device
     if dev.type == "cpu":
@@ -220,8 +220,8 @@ def setup_run(args) -> Run:
     warmup = int(math.ceil(args.warmup_ratio * total_steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_factory(total_steps, warmup))
     attention = args.attention if args.attention != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
-    run = Run(args, dist_, dcfg, head, source, steps, total_steps, drafter, _wrap_for_training(args, drafter, dist_),
-              opt, sched, _online_target(args, dev), attention)
+    run = TrainingRun(args, dist_, dcfg, head, source, steps, total_steps, drafter,
+                      _wrap_for_training(args, drafter, dist_), opt, sched, _online_target(args, dev), attention)
     if dist_.main:
         log.info("drafter: %d layers, %.1fM trainable parameters, target layers %s, mask token %d, %s attention; "
                  "%d samples, %d steps (%d per epoch), global batch %d, world %d, device %s",
@@ -247,7 +247,7 @@ class _DDPCall:
         return self.ddp(*a, **kw)
 
 
-def _features_and_labels(run: Run, batch):
+def _features_and_labels(run: TrainingRun, batch):
     """Stored features (offline), or the target's (online), and the labels (None: the data's own tokens)."""
     if batch.features is not None:
         return batch.features, None
@@ -256,7 +256,7 @@ def _features_and_labels(run: Run, batch):
     return target_features(run.target, batch.input_ids, batch.lengths, run.dcfg.target_layer_ids), None
 
 
-def train_step(run: Run, micro, metrics: StepMetrics) -> torch.Tensor:
+def train_step(run: TrainingRun, micro, metrics: StepMetrics) -> torch.Tensor:
     """Forward/backward of every micro-batch (gradients synced on the last), clip, optimizer step; the grad norm."""
     run.model.train()
     ddp = run.dist.world > 1
@@ -287,7 +287,7 @@ def train_step(run: Run, micro, metrics: StepMetrics) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def write_outputs(run: Run, metrics_path, wall: float, start_step: int) -> None:
+def write_outputs(run: TrainingRun, metrics_path, wall: float, start_step: int) -> None:
     """drafter.safetensors, drafter_config.json, metrics.jsonl, summary.json, per_position.png: one rename."""
     from safetensors.torch import save_file
 
