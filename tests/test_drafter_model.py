@@ -94,12 +94,18 @@ def test_all_blocks_in_one_forward_equal_each_block_alone(parts):
                     torch.testing.assert_close(together[bi, j * bs:(j + 1) * bs], alone[0], atol=2e-5, rtol=1e-4)
 
 
-def test_block_sees_context_before_anchor_only(parts):
+def _one_sequence_block(parts, j):
+    """A 50-token sequence with 3 blocks, the anchor of block j, and block j run alone."""
     cfg, head, drafter, target = parts
     batch, feats = _batch(cfg, target, lengths=(50,), anchors=3)
-    a = int(batch.anchors[0, 1])
     with torch.no_grad():
-        base = _block_alone(cfg, head, drafter, batch, feats, 0, 1)
+        return batch, feats, int(batch.anchors[0, j]), _block_alone(cfg, head, drafter, batch, feats, 0, j)
+
+
+def test_block_sees_context_before_anchor_only(parts):
+    cfg, head, drafter, _ = parts
+    batch, feats, a, base = _one_sequence_block(parts, 1)
+    with torch.no_grad():
         changed_after = feats.clone()
         changed_after[:, a:] += 5.0
         same = _block_alone(cfg, head, drafter, batch, changed_after, 0, 1)
@@ -117,11 +123,9 @@ def test_block_sees_context_before_anchor_only(parts):
 
 
 def test_context_cache_matches_full_context(parts):
-    cfg, head, drafter, target = parts
-    batch, feats = _batch(cfg, target, lengths=(50,), anchors=3)
-    a = int(batch.anchors[0, 2])
+    cfg, head, drafter, _ = parts
+    batch, feats, a, full = _one_sequence_block(parts, 2)
     with torch.no_grad():
-        full = _block_alone(cfg, head, drafter, batch, feats, 0, 2)
         noise = torch.full((1, cfg.block_size), cfg.mask_token_id)
         noise[0, 0] = batch.input_ids[0, a]
         cache = ContextCache(len(drafter.layers))
