@@ -81,7 +81,7 @@ def test_offline_training_from_hidden_state_shards_matches_online(tiny_target, t
     from transformers import AutoModelForCausalLM
 
     from dflash_pipeline.drafter.features import target_features
-    from dflash_pipeline.hidden_states.shard_format import write_shard
+    from dflash_pipeline.hidden_states.writer import write_shard
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
     from dflash_pipeline.target_layers import default_target_layer_ids
@@ -154,11 +154,14 @@ def test_checkpoints_mirrored_to_s3_resume_on_a_new_machine(tiny_target, token_s
         assert proc.returncode == -9, proc.stderr[-2000:]
         keys = [o["Key"] for o in s3.list_objects_v2(Bucket="ckpt", Prefix="run/")["Contents"]]
         assert keys == ["run/train/checkpoints/step-00000003.pt"]
+        # a damaged newer checkpoint in the mirror (an upload cut short): fetched, named, the older one used
+        s3.put_object(Bucket="ckpt", Key="run/train/checkpoints/step-00000004.pt", Body=b"PK\x03\x04 cut short")
         # another machine: empty local checkpoint directory, same mirror
         second = _train_args(tiny_target, token_shards, tmp_path / "b" / "out", tmp_path / "b" / "ckpt")
         assert run_in_process(*second, *mirror) == 0
         summary = json.loads((tmp_path / "b" / "out" / "summary.json").read_text())
         assert summary["resumed_from_step"] == 3
+        assert (tmp_path / "b" / "ckpt" / "step-00000004.pt.damaged").exists()
         a = load_file(str(ref / "out" / "drafter.safetensors"))
         b = load_file(str(tmp_path / "b" / "out" / "drafter.safetensors"))
         assert all(torch.equal(a[k], b[k]) for k in a)
