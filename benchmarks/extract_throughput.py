@@ -22,7 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from dflash_pipeline.hidden_states.extract import LayerCapture, extract_shard
+from dflash_pipeline.hidden_states.capture import LayerCapture
+from dflash_pipeline.hidden_states.extract import ExtractSettings, extract_shard
 
 SPECFORGE_TOK_S = 27_000
 
@@ -50,7 +51,7 @@ def matmul_rate(dev):
     return 20 * 2 * 8192 ** 3 / (time.perf_counter() - t)
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/bench-extract")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on CPU (checks the script only)")
@@ -60,104 +61,115 @@ def main():
     ap.add_argument("--cases", default="compute,zstd1,zstd3,raw,fp8,mixed-zstd1")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--flush-tokens", type=int, default=262144, help="durable chunk size (fsync + journal)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    dev = "cpu" if args.tiny else "cuda"
-    if args.tiny:
-        cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=16, vocab_size=1000)
-        layers, seq, budget = [1, 2, 3, 4, 5], 128, 512
-        n_fixed = 16
-    else:
-        cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                          num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)
-        layers, seq, budget = [1, 9, 17, 25, 33], 2048, args.token_budget
-        n_fixed = args.samples
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    mm = matmul_rate(dev) if dev == "cuda" else None
-    with torch.device(dev):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32).eval()
-    n_params = sum(p.numel() for p in model.parameters()) - cfg.vocab_size * cfg.hidden_size
-    limit = mm / (2 * n_params) if mm else None
-    print(f"device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-          f"non-embedding params {n_params / 1e9:.2f}B, cpu cores {os.cpu_count()}")
-    if mm:
-        print(f"bf16 matmul {mm / 1e12:.0f} TFLOP/s -> prefill limit {limit:.0f} tok/s")
+class Bench:
+    """The model, the token shards and the cases of one run."""
 
-    os.makedirs(args.out, exist_ok=True)
-    fixed = os.path.join(args.out, "fixed.parquet")
-    write_tokens(fixed, [seq] * n_fixed, cfg.vocab_size)
-    rng = np.random.default_rng(1)
-    mixed_lengths = np.clip(rng.lognormal(np.log(seq / 2), 0.7, n_fixed * 2), 64, seq * 3 // 2).astype(int)
-    mixed_lengths = mixed_lengths[: max(1, int(np.searchsorted(np.cumsum(mixed_lengths), n_fixed * seq)))]
-    mixed = os.path.join(args.out, "mixed.parquet")
-    write_tokens(mixed, mixed_lengths.tolist(), cfg.vocab_size, seed=2)
+    def __init__(self, args):
+        from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    # warm-up: kernels, allocator, pinned-memory pool
-    warm = os.path.join(args.out, "warm.parquet")
-    write_tokens(warm, [seq] * max(2, budget // seq * 2), cfg.vocab_size, seed=3)
-    extract_shard(warm, "random", os.path.join(args.out, "warm.dfhs"), layer_ids=layers, model=model, device=dev,
-                  token_budget=budget, encode_threads=args.encode_threads)
+        self.args, self.dev = args, "cpu" if args.tiny else "cuda"
+        if args.tiny:
+            cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, vocab_size=1000)
+            self.layers, self.seq, self.budget, self.n_fixed = [1, 2, 3, 4, 5], 128, 512, 16
+        else:
+            cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                              num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)
+            self.layers, self.seq, self.budget, self.n_fixed = [1, 9, 17, 25, 33], 2048, args.token_budget, args.samples
+        cfg._attn_implementation = "sdpa"
+        self.cfg = cfg
+        torch.manual_seed(0)
+        self.mm = matmul_rate(self.dev) if self.dev == "cuda" else None
+        with torch.device(self.dev):
+            self.model = Qwen3ForCausalLM(cfg).to(torch.bfloat16 if self.dev == "cuda" else torch.float32).eval()
+        n_params = sum(p.numel() for p in self.model.parameters()) - cfg.vocab_size * cfg.hidden_size
+        self.limit = self.mm / (2 * n_params) if self.mm else None
+        print(f"device {torch.cuda.get_device_name() if self.dev == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+              f"non-embedding params {n_params / 1e9:.2f}B, cpu cores {os.cpu_count()}")
+        if self.mm:
+            print(f"bf16 matmul {self.mm / 1e12:.0f} TFLOP/s -> prefill limit {self.limit:.0f} tok/s")
+        self.compiled = False
 
-    rows = []
-    compiled = False
-    for case in args.cases.split(","):
-        if case.startswith("compiled") and not compiled:
+    def write_inputs(self):
+        out, seq, vocab = self.args.out, self.seq, self.cfg.vocab_size
+        os.makedirs(out, exist_ok=True)
+        self.fixed = os.path.join(out, "fixed.parquet")
+        write_tokens(self.fixed, [seq] * self.n_fixed, vocab)
+        rng = np.random.default_rng(1)
+        lengths = np.clip(rng.lognormal(np.log(seq / 2), 0.7, self.n_fixed * 2), 64, seq * 3 // 2).astype(int)
+        lengths = lengths[: max(1, int(np.searchsorted(np.cumsum(lengths), self.n_fixed * seq)))]
+        self.mixed = os.path.join(out, "mixed.parquet")
+        write_tokens(self.mixed, lengths.tolist(), vocab, seed=2)
+        self.warm = os.path.join(out, "warm.parquet")
+        write_tokens(self.warm, [seq] * max(2, self.budget // seq * 2), vocab, seed=3)
+
+    def extract(self, src, out, **kw):
+        # compile=False: the compiled cases compile the layers once (compile_layers)
+        settings = ExtractSettings(layer_ids=self.layers, device=self.dev, token_budget=self.budget, compile=False,
+                                   encode_threads=self.args.encode_threads, **kw)
+        return extract_shard(src, "random", out, settings, model=self.model)
+
+    def compile_layers(self):
+        t = time.perf_counter()
+        cap = LayerCapture(self.model, self.layers)
+        cap.compile()
+        cap.remove()  # the compiled forwards stay on the layers
+        self.extract(self.warm, os.path.join(self.args.out, "warm.dfhs"))
+        # a few mixed shapes: after the second one dynamo compiles a dynamic-shape graph used for all
+        warm_mixed = os.path.join(self.args.out, "warm-mixed.parquet")
+        seq = self.seq
+        write_tokens(warm_mixed, [seq // 3, seq // 2, seq * 3 // 4, seq - 100] * max(1, self.budget // seq),
+                     self.cfg.vocab_size, seed=4)
+        self.extract(warm_mixed, os.path.join(self.args.out, "warm.dfhs"), pad_multiple=64)
+        print(f"torch.compile of the layers + warm-up: {time.perf_counter() - t:.0f} s")
+        self.compiled = True
+
+    def compute_only(self, label):
+        """The forward with hooks only (states stay on the GPU): the ceiling for the rest."""
+        cap = LayerCapture(self.model, self.layers)
+        x = torch.randint(0, self.cfg.vocab_size, (max(1, self.budget // self.seq), self.seq), device=self.dev)
+        reps = max(1, self.n_fixed * self.seq // x.numel())
+        with torch.inference_mode():
+            cap.run(x)
+            sync = torch.cuda.synchronize if self.dev == "cuda" else (lambda: None)
+            sync()
             t = time.perf_counter()
-            cap = LayerCapture(model, layers)
-            cap.compile()
-            cap.remove()  # the compiled forwards stay on the layers
-            extract_shard(warm, "random", os.path.join(args.out, "warm.dfhs"), layer_ids=layers, model=model,
-                          device=dev, token_budget=budget, encode_threads=args.encode_threads)
-            # a few mixed shapes: after the second one dynamo compiles a dynamic-shape graph used for all
-            warm_mixed = os.path.join(args.out, "warm-mixed.parquet")
-            write_tokens(warm_mixed, [seq // 3, seq // 2, seq * 3 // 4, seq - 100] * max(1, budget // seq),
-                         cfg.vocab_size, seed=4)
-            extract_shard(warm_mixed, "random", os.path.join(args.out, "warm.dfhs"), layer_ids=layers, model=model,
-                          device=dev, token_budget=budget, encode_threads=args.encode_threads, pad_multiple=64)
-            print(f"torch.compile of the layers + warm-up: {time.perf_counter() - t:.0f} s")
-            compiled = True
-        label = "compiled " if compiled else ""
-        case = case.replace("compiled-", "")
-        if case == "compute":
-            # the forward with hooks only (states stay on the GPU): the ceiling for the rest
-            cap = LayerCapture(model, layers)
-            x = torch.randint(0, cfg.vocab_size, (max(1, budget // seq), seq), device=dev)
-            reps = max(1, n_fixed * seq // x.numel())
-            with torch.inference_mode():
+            for _ in range(reps):
                 cap.run(x)
-                if dev == "cuda":
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(reps):
-                    f = cap.run(x)
-                if dev == "cuda":
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t
-            cap.remove()
-            del f
-            rows.append({"case": label + "compute only (hooks, early stop)", "tokens": reps * x.numel(),
-                         "tok_s": reps * x.numel() / dt, "ratio": None, "padding": 0.0})
-            continue
-        src = mixed if case.startswith("mixed") else fixed
+            sync()
+            dt = time.perf_counter() - t
+        cap.remove()
+        return {"case": label + "compute only (hooks, early stop)", "tokens": reps * x.numel(),
+                "tok_s": reps * x.numel() / dt, "ratio": None, "padding": 0.0}
+
+    def end_to_end(self, case, label):
+        src = self.mixed if case.startswith("mixed") else self.fixed
         name, _, where = case.replace("mixed-", "").partition("@")
         codec, level = ("zstd", int(name[4:])) if name.startswith("zstd") else (name, 3)
-        out_dir = "/dev/shm" if where == "shm" else args.out
-        out = os.path.join(out_dir, f"{case}.dfhs")
+        out = os.path.join("/dev/shm" if where == "shm" else self.args.out, f"{case}.dfhs")
         for p in (out, out + ".partial", out + ".journal"):
             if os.path.exists(p):
                 os.remove(p)
-        s = extract_shard(src, "random", out, layer_ids=layers, model=model, device=dev, codec=codec, level=level,
-                          token_budget=budget, encode_threads=args.encode_threads, flush_tokens=args.flush_tokens,
-                          pad_multiple=64 if compiled else 1)
-        rows.append({"case": label + f"{case} ({'mixed' if src == mixed else f'{seq}-tok'}{', /dev/shm' if where else ''})",
-                     "tokens": s["tokens"], "tok_s": s["tokens_per_s"], "ratio": s["compression_vs_bf16"],
-                     "padding": s["padding_waste"], "file_gb": s["file_bytes"] / 1e9})
+        s = self.extract(src, out, codec=codec, level=level, flush_tokens=self.args.flush_tokens,
+                         pad_multiple=64 if self.compiled else 1)
         os.remove(out)
+        kind = "mixed" if src == self.mixed else f"{self.seq}-tok"
+        return {"case": label + f"{case} ({kind}{', /dev/shm' if where else ''})", "tokens": s["tokens"],
+                "tok_s": s["tokens_per_s"], "ratio": s["compression_vs_bf16"], "padding": s["padding_waste"],
+                "file_gb": s["file_bytes"] / 1e9}
 
+    def run_case(self, case):
+        if case.startswith("compiled") and not self.compiled:
+            self.compile_layers()
+        label = "compiled " if self.compiled else ""
+        case = case.replace("compiled-", "")
+        return self.compute_only(label) if case == "compute" else self.end_to_end(case, label)
+
+
+def print_table(rows, limit):
     print()
     print(f"{'case':44s} {'tokens':>9s} {'tok/s':>9s} {'% limit':>8s} {'x SpecForge':>11s} {'bytes/bf16':>10s} {'pad':>6s}")
     for r in rows:
@@ -165,9 +177,18 @@ def main():
         ratio = f"{r['ratio']:10.3f}" if r["ratio"] is not None else "         -"
         print(f"{r['case']:44s} {r['tokens']:9d} {r['tok_s']:9.0f} {pct:>8s} {r['tok_s'] / SPECFORGE_TOK_S:11.2f} "
               f"{ratio} {100 * r['padding']:5.1f}%")
+
+
+def main():
+    args = parse_args()
+    bench = Bench(args)
+    bench.write_inputs()
+    bench.extract(bench.warm, os.path.join(args.out, "warm.dfhs"))  # warm-up: kernels, allocator, pinned memory
+    rows = [bench.run_case(case) for case in args.cases.split(",")]
+    print_table(rows, bench.limit)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"matmul_flops": mm, "prefill_limit_tok_s": limit, "rows": rows}, fh, indent=2)
+            json.dump({"matmul_flops": bench.mm, "prefill_limit_tok_s": bench.limit, "rows": rows}, fh, indent=2)
     shutil.rmtree(args.out, ignore_errors=True)
 
 

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 import zstandard
 
-from dflash_pipeline.hidden_states import shard_format as hsf
-from dflash_pipeline.hidden_states.extract import LayerCapture, load_target
+from dflash_pipeline.hidden_states.capture import LayerCapture
+from dflash_pipeline.hidden_states.codec import Codec
+from dflash_pipeline.target import load_model
 
 
 def capture(args):
@@ -38,7 +39,7 @@ def capture(args):
     else:
         from transformers import AutoTokenizer
 
-        model = load_target(args.model, "cpu")
+        model = load_model(args.model, "cpu")
         tok = AutoTokenizer.from_pretrained(args.model)
         text = " ".join(open(p, encoding="utf-8").read() for p in sorted(glob.glob("README.md") + glob.glob("scripts/dflash_pipeline/*.py")))
         ids = torch.tensor(tok(text)["input_ids"][: args.batch * args.seq]).view(args.batch, -1)
@@ -85,7 +86,7 @@ def main():
         return f
 
     def codec(name, level, **kw):
-        c = hsf.Codec(name, level, "bfloat16", **kw)
+        c = Codec(name, level, "bfloat16", **kw)
 
         def f(s):
             e = c.encode("x", np.zeros(s.shape[0], np.int32), np.zeros(s.shape[0], np.uint8), s)

@@ -11,10 +11,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import BIN
+from conftest import BIN, REPO
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.hidden_states.extract import LayerCapture, extract_shard, load_target, token_budget_batches
-from dflash_pipeline.hidden_states.shard_format import HiddenStateShardReader
+from dflash_pipeline.hidden_states.batching import token_budget_batches
+from dflash_pipeline.hidden_states.capture import LayerCapture
+from dflash_pipeline.hidden_states.extract import ExtractSettings, extract_shard
+from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
+from dflash_pipeline.target import load_model
+
+
+def load_target(path, device):
+    return load_model(path, device)
 
 
 def _token_shard(path, n=12, vocab=1000, seed=0):
@@ -77,8 +84,8 @@ def test_token_budget_batches_sorted_and_bounded():
 def test_extract_matches_reference_forward(tiny_target, tmp_path):
     rows = _token_shard(tmp_path / "t.parquet")
     out = tmp_path / "h.dfhs"
-    stats = extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(out), layer_ids=[1, 3, 5],
-                          dtype="float32", token_budget=200, device="cpu", flush_tokens=50,
+    settings = ExtractSettings(layer_ids=[1, 3, 5], dtype="float32", token_budget=200, device="cpu", flush_tokens=50)
+    stats = extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(out), settings,
                           stats_path=str(tmp_path / "h.stats.json"))
     r = HiddenStateShardReader(out)
     assert r.metadata["target_layer_ids"] == [1, 3, 5] and r.metadata["num_layers"] == 8
@@ -101,37 +108,87 @@ def test_extract_matches_reference_forward(tiny_target, tmp_path):
 def test_extract_default_layers_from_drafter_config(tiny_target, tmp_path):
     _token_shard(tmp_path / "t.parquet", n=5)
     out = tmp_path / "h.dfhs"
-    extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(out), drafter_config={"num_layers": 3},
-                  device="cpu", codec="fp8")
+    extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(out),
+                  ExtractSettings(drafter_config={"num_layers": 3}, device="cpu", codec="fp8"))
     assert HiddenStateShardReader(out).metadata["target_layer_ids"] == [1, 3, 5]
     with pytest.raises(PipelineError, match="out of range"):
         extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(tmp_path / "bad.dfhs"),
-                      drafter_config={"target_layer_ids": [1, 9]}, device="cpu")
+                      ExtractSettings(drafter_config={"target_layer_ids": [1, 9]}, device="cpu"))
 
 
 def test_resume_after_kill(tiny_target, tmp_path):
     _token_shard(tmp_path / "t.parquet", n=16)
     out = tmp_path / "h.dfhs"
-    cmd = [str(BIN / "dflash-pipeline"), "extract", "--tokens", str(tmp_path / "t.parquet"), "--model",
-           str(tiny_target), "--out", str(out), "--target-layer-ids", "1,5", "--token-budget", "100",
-           "--flush-tokens", "60", "--device", "cpu", "--encode-threads", "1"]
-    env = dict(os.environ, DFLASH_TEST_KILL_AFTER_FLUSHES="2")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    assert proc.returncode == -9, proc.stderr  # killed for real, no cleanup
+    args = ["extract", "--tokens", str(tmp_path / "t.parquet"), "--model", str(tiny_target), "--out", str(out),
+            "--target-layer-ids", "1,5", "--token-budget", "100", "--flush-tokens", "60", "--device", "cpu",
+            "--encode-threads", "1"]
+    # killed for real (SIGKILL, no cleanup) by a wrapper right after the second durable chunk
+    proc = subprocess.run([str(BIN / "python"), str(REPO / "tests" / "extract_kill_helper.py"), "2", *args],
+                          capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
     assert not out.exists() and (tmp_path / "h.dfhs.partial").exists()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run([str(BIN / "dflash-pipeline"), *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "resuming" in proc.stderr
     r = HiddenStateShardReader(out)
     assert len(r) == 15 and len(set(r.sample_ids)) == 15
     r.verify_all()
     fresh = tmp_path / "fresh.dfhs"  # an uninterrupted run, in process (one CLI start less)
-    extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(fresh), layer_ids=[1, 5], token_budget=100,
-                  flush_tokens=60, device="cpu", encode_threads=1)
+    extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(fresh),
+                  ExtractSettings(layer_ids=[1, 5], token_budget=100, flush_tokens=60, device="cpu", encode_threads=1))
     f = HiddenStateShardReader(fresh)
     for sid in f.sample_ids:
         a, b = r.read(r.index_of(sid)), f.read(f.index_of(sid))
         torch.testing.assert_close(a["hidden"].float(), b["hidden"].float(), rtol=1e-2, atol=1e-2)
+
+
+class _Crash(Exception):
+    pass
+
+
+def _interrupted_extract(tokens, model_dir, out, monkeypatch, settings):
+    """Extraction that dies after its first durable chunk, leaving the partial file and journal behind."""
+    from dflash_pipeline.hidden_states.writer import HiddenStateShardWriter
+
+    durable = HiddenStateShardWriter._sync
+
+    def sync_then_crash(self, new, total):
+        durable(self, new, total)
+        raise _Crash
+
+    with monkeypatch.context() as m:
+        m.setattr(HiddenStateShardWriter, "_sync", sync_then_crash)
+        with pytest.raises(_Crash):
+            extract_shard(str(tokens), str(model_dir), str(out), settings)
+    assert (out.parent / (out.name + ".partial")).exists()
+
+
+def test_resume_never_keeps_samples_of_other_tokens_or_another_target(tiny_target, tmp_path, monkeypatch):
+    """A token shard rewritten with the same ids (or a rebuilt target) after a kill: nothing old survives."""
+    import shutil
+
+    settings = ExtractSettings(layer_ids=[1, 5], token_budget=60, flush_tokens=40, device="cpu", encode_threads=1)
+    tokens, out = tmp_path / "t.parquet", tmp_path / "h.dfhs"
+    _token_shard(tokens, n=12, seed=0)
+    _interrupted_extract(tokens, tiny_target, out, monkeypatch, settings)
+    new = _token_shard(tokens, n=12, seed=1)  # same sample ids, other tokens
+    stats = extract_shard(str(tokens), str(tiny_target), str(out), settings)
+    assert stats["resumed_samples"] == 0
+    r = HiddenStateShardReader(out)
+    assert len(r) == 11
+    for sid in r.sample_ids:
+        assert np.array_equal(r.read(r.index_of(sid))["input_ids"], new["input_ids"][new["sample_id"].index(sid)])
+    assert len(r.metadata["tokens_fingerprint"]) == 32 and r.metadata["target_fingerprint"]
+
+    model = tmp_path / "target"  # the same target rebuilt in place (new weights file): no resume either
+    shutil.copytree(tiny_target, model)
+    out2 = tmp_path / "h2.dfhs"
+    _interrupted_extract(tokens, model, out2, monkeypatch, settings)
+    weights = next(model.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert extract_shard(str(tokens), str(model), str(out2), settings)["resumed_samples"] == 0
+    _interrupted_extract(tokens, model, out2, monkeypatch, settings)  # unchanged inputs do resume
+    assert extract_shard(str(tokens), str(model), str(out2), settings)["resumed_samples"] > 0
 
 
 def _hybrid(kind):

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from conftest import BIN, REPO
-from dflash_pipeline.hidden_states.shard_format import HiddenStateShardReader
+from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
 
 pytestmark = pytest.mark.slow
 

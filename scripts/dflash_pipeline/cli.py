@@ -62,7 +62,7 @@ STAGES = {
                   "print samples, tokens, bytes and GPU hours before the GPU starts"),
     "generation-gate": Stage("dflash_pipeline.planning.plan", "add_generation_gate_arguments", "run_generation_gate",
                              "stop before the full generation when its projected wall time or GPU hours exceed the limits"),
-    "hidden-verify": Stage("dflash_pipeline.hidden_states.shard_format", "add_arguments", "run",
+    "hidden-verify": Stage("dflash_pipeline.hidden_states.verify", "add_arguments", "run",
                            "check hidden-state shards (footer, index, every checksum)"),
     "train": Stage("dflash_pipeline.drafter.train", "add_arguments", "run", "train the DFlash drafter", "train"),
     "export": Stage("dflash_pipeline.drafter.export", "add_arguments", "run",

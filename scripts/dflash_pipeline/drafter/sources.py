@@ -116,7 +116,7 @@ class HiddenSource:
 
     def __init__(self, paths: list[str], target_layer_ids: list[int], holdout_fraction: float = 0.0,
                  max_length: int | None = None):
-        from dflash_pipeline.hidden_states.shard_format import HiddenStateShardReader
+        from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
 
         self.paths = [str(p) for p in paths]
         self.max_length = max_length

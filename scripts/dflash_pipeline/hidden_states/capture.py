@@ -1,0 +1,88 @@
+"""Capturing the target's hidden states at chosen decoder layers with forward hooks, stopping the forward
+right after the last wanted layer (no later layers, no final norm, no LM head)."""
+
+from __future__ import annotations
+
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.target import text_config
+from dflash_pipeline.target_layers import validate_target_layer_ids
+
+
+class _StopForward(Exception):
+    """Raised by the hook of the last wanted layer: nothing after it is needed."""
+
+
+def find_decoder_layers(model):
+    """The target's decoder layer list (dense, MoE, hybrid GDN, or the language model of a VL wrapper)."""
+    import torch
+
+    n = text_config(model.config).num_hidden_layers
+    candidates = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.split(".")[-1] == "layers" and len(module) == n:
+            if any(part in name for part in ("visual", "vision", "audio", "mtp")):
+                continue
+            candidates.append((name.count("."), name, module))
+    if not candidates:
+        raise PipelineError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+    return sorted(candidates)[0][2]
+
+
+class LayerCapture:
+    """Forward hooks on the wanted layers; `run(input_ids)` returns their outputs [B, S, n, H].
+
+    An id k captures the output of decoder layer k, i.e. `hidden_states[k + 1]` of output_hidden_states.
+    """
+
+    def __init__(self, model, layer_ids):
+        self.model = model
+        self.layers = find_decoder_layers(model)
+        self.ids = validate_target_layer_ids(layer_ids, len(self.layers))
+        self._caps: dict[int, object] = {}
+        self._active = False
+        self._handles = []
+        last = self.ids[-1]
+        for i in self.ids:
+            self._handles.append(self.layers[i].register_forward_hook(self._hook(i, i == last)))
+
+    def _hook(self, i, stop):
+        def hook(module, args, output):
+            if not self._active:  # other forwards of the model are left alone
+                return None
+            self._caps[i] = output[0] if isinstance(output, (tuple, list)) else output
+            if stop:
+                raise _StopForward
+
+        return hook
+
+    def run(self, input_ids, **kwargs):
+        import torch
+
+        self._caps.clear()
+        self._active = True
+        try:
+            self.model(input_ids=input_ids, use_cache=False, **kwargs)
+        except _StopForward:
+            pass
+        finally:
+            self._active = False
+        missing = [i for i in self.ids if i not in self._caps]
+        if missing:
+            raise PipelineError(f"layers {missing} produced no output in the forward pass")
+        out = torch.stack([self._caps[i] for i in self.ids], dim=2)
+        self._caps.clear()
+        return out
+
+    def compile(self):
+        """torch.compile each needed layer's forward (the hooks stay outside the compiled code); fuses the
+        norms, rotary and activation kernels around the matmuls. Layers after the last wanted one never run."""
+        import torch
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        for layer in self.layers[: self.ids[-1] + 1]:
+            layer.forward = torch.compile(layer.forward, dynamic=None)
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
