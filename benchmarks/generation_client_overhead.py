@@ -1,6 +1,6 @@
 """Client overhead of generation: requests/s of the full client vs a bare aiohttp loop, same concurrency.
 
-Both run against the SGLang-speaking test server in `--engine instant` mode (it answers at once), so the
+Both run against the SGLang stand-in with its instant engine (DFLASH_TEST_SERVER_ENGINE=instant) (it answers at once), so the
 numbers measure what the client costs per request: the bare loop only posts the chat request and parses the
 JSON; the client also plans turns, applies the retry/length/empty policy, load-spreads, journals every sample
 (batched fsync) and writes the final shard. Ratio = client / bare (1.0 = no overhead).
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from generation_helpers import SERVER, free_port, wait_health, write_shard  # noqa: E402
+from generation_helpers import SERVER, free_port, knob_env, wait_health, write_shard  # noqa: E402
 
 
 async def bare_loop(url: str, messages: list[list[dict]], concurrency: int) -> float:
@@ -75,7 +76,7 @@ def main() -> None:
             first_turns.append(msgs)
         port = free_port()
         server = subprocess.Popen([sys.executable, str(SERVER), "--model-path", "none", "--port", str(port),
-                                   "--engine", "instant", "--reasoning-parser", "qwen3"],
+                                   "--reasoning-parser", "qwen3"], env={**os.environ, **knob_env(engine="instant")},
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         try:

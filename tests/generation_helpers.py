@@ -47,9 +47,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_health(url: str, timeout: float = 60.0) -> None:
+def wait_health(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the test server exited with code {proc.returncode}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -60,18 +62,24 @@ def wait_health(url: str, timeout: float = 60.0) -> None:
     raise TimeoutError(url)
 
 
-class SGLangTestServer:
-    """The SGLang-speaking test server in a subprocess on a free 127.0.0.1 port."""
+def knob_env(**knobs) -> dict:
+    """The stand-in server's test knobs (engine="instant", fault_rate=0.2, ...) as its environment variables."""
+    return {f"DFLASH_TEST_SERVER_{k.upper()}": str(v) for k, v in knobs.items()}
 
-    def __init__(self, model: Path, *args: str, log: Path | None = None):
+
+class SGLangTestServer:
+    """The SGLang 0.5.23 stand-in in a subprocess on a free 127.0.0.1 port: `args` are SGLang flags (parsed
+    strictly), `knobs` the test-only settings (engine, faults, delays; see the server's docstring)."""
+
+    def __init__(self, model: Path, *args: str, log: Path | None = None, **knobs):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, str(SERVER), "--model-path", str(model), "--port", str(self.port), *map(str, args)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, **knob_env(**knobs)},
                                      stderr=open(log, "ab") if log else subprocess.DEVNULL)
 
     def __enter__(self):
-        wait_health(self.url)
+        wait_health(self.url, proc=self.proc)
         return self
 
     def __exit__(self, *exc):

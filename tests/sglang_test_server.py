@@ -1,37 +1,45 @@
-"""A test server that speaks the parts of SGLang's HTTP API the pipeline uses, over real HTTP.
+"""A stand-in for SGLang 0.5.23's HTTP server: the parts the pipeline uses, over real HTTP, shaped as 0.5.23 answers.
 
-Endpoints (as documented by SGLang): `GET /health`, `GET /get_model_info`, `POST /v1/chat/completions`
-(OpenAI-style; with `--reasoning-parser` the thinking is returned separately in
-`choices[0].message.reasoning_content`; `finish_reason` is `stop` or `length`; `usage`), and `POST /generate`
-(`text` or `input_ids` + `sampling_params`; answer `text` + `meta_info` with `prompt_tokens`,
-`completion_tokens`, `finish_reason: {"type": ...}`). A prompt longer than `--context-length` is rejected with
-HTTP 400 and SGLang's wording.
+Checked against the sglang==0.5.23 wheel (`srt/entrypoints/http_server.py`, `openai/serving_chat.py`,
+`managers/tokenizer_manager.py`):
+- `GET /health`: 503 while the server is starting (warm-up), then 200.
+- `GET /model_info` (and its deprecated alias `/get_model_info`): `model_path`, `served_model_name`,
+  `tokenizer_path`, `weight_version`, ... ; `GET /v1/models`: `data[0].id`, `max_model_len`.
+- `POST /generate` (`input_ids` or `text`, `sampling_params` with `max_new_tokens` (default 128),
+  `sampling_seed`): `text`, `output_ids` (the generated ids through the stop token), `meta_info` with
+  `prompt_tokens`, `completion_tokens`, `finish_reason` `{"type": "stop", "matched": id}` /
+  `{"type": "length", "length": n}` / `{"type": "abort", "message", "status_code": null, "err_type": null}`
+  (HTTP 200); `prompt_token_ids` when `return_prompt_token_ids`. Errors: `{"error": {"message": ...}}`.
+- `POST /v1/chat/completions` (OpenAI-style; with `--reasoning-parser` the thinking comes separately in
+  `message.reasoning_content`; `seed`; with `return_token_ids`: `choices[0].prompt_token_ids` and
+  `response_token_ids`). Errors: `{"object": "error", "message", "type": "BadRequestError", "param", "code"}`.
+- Context: input >= context length, or input + max_new_tokens > context length, is HTTP 400 with SGLang's
+  exact wording. The context length is `--context-length`, else the model's `max_position_embeddings`.
 
-Answers come from one of two engines:
-- `--engine model` (default): the tiny demo model (transformers, CPU) generates, with the chat template;
-- `--engine instant`: answers at once with a deterministic text derived from the prompt (`answer:<hash> ...`,
-  thinking `thinking about <hash>`), so a test can check that every stored answer belongs to its sample;
-  its "tokens" are words, and an answer longer than `max_tokens` is cut with `finish_reason: length`.
+Flags are parsed strictly with SGLang 0.5.23's real flag list (`dflash_pipeline/generation/sglang_flags.json`):
+a flag SGLang does not have exits with status 2, as the real launch_server does. Test-only knobs are
+environment variables (they cannot look like SGLang flags):
+- `DFLASH_TEST_SERVER_ENGINE`: `model` (default; the tiny demo model generates, transformers on CPU) or
+  `instant` (answers at once with a text derived from the prompt, `answer:<hash> w0 w1 ...`, thinking
+  `thinking about <hash>`, so a test can check every stored answer belongs to its sample; its tokens are
+  words, its ids a hash of each word, end id 2). `..._ANSWER_WORDS` (12): words in an instant answer.
+- `..._FAULT_RATE` (0), `..._FAULTS` (`500,503,drop,truncate`), `..._FAULT_DELAY` (5 s), `..._FAULT_SEED`:
+  a fraction of the POSTs fail with one of `500`/`503`, `drop` (connection closed, no response), `truncate`
+  (body cut short), `delay`, `empty` (a 200 answer with empty content, chat), `400` (rejected for another
+  reason than length), `abort` (HTTP 200 with finish_reason abort, as SGLang reports an aborted request).
+- `..._DELAY` (latency of every request), `..._DIE_AFTER` N (`os._exit` on the N-th POST, like a crash),
+  `..._STARTUP_DELAY` (seconds of 503 on /health), `..._STATS_FILE` (request counts, seeds and budgets as JSON).
+- Rate control (instant engine): `..._TOKENS_PER_S` simulates decoding: the server produces that many output
+  tokens per second in all, shared equally by the requests in flight (like one GPU's batch), and an answer
+  returns when its tokens are done; `..._ANSWER_WORDS_PER_PROMPT_WORD` k makes an answer `ANSWER_WORDS` + k x
+  prompt words long (longer prompts, longer answers).
 
-Fault injection (a fraction `--fault-rate` of the POST requests, kinds drawn from `--faults`):
-`500`/`503` (HTTP errors), `drop` (connection closed without a response), `truncate` (a response body cut
-short), `delay` (an answer after `--fault-delay` seconds, for client timeouts), `empty` (a 200 answer with
-empty content; chat endpoint), `400` (a request rejected for another reason than its length). `--delay` adds latency to every
-request, `--die-after N` kills the process (`os._exit`) on the N-th POST, like a crashed server.
-
-Rate control (instant engine; environment variables, because the flags are SGLang's):
-`DFLASH_TEST_SERVER_TOKENS_PER_S` simulates decoding: the server produces that many output tokens per second
-in all, shared equally by the requests in flight (like one GPU's batch), and an answer returns when its tokens
-are done; `DFLASH_TEST_SERVER_ANSWER_WORDS_PER_PROMPT_WORD` k makes an answer `--answer-words` + k x prompt
-words long (longer prompts, longer answers).
-
-It accepts `sglang.launch_server`'s flags (unknown ones are ignored), so the pipeline's SGLang launcher can
-start it through the same code path: `python tests/sglang_test_server.py --model-path M --host H --port P`.
+Run: `python tests/sglang_test_server.py --model-path M --host H --port P [SGLang flags]`; the pipeline's SGLang
+launcher starts it through the same code path as the real server.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import json
@@ -39,29 +47,50 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 
+from dflash_pipeline.generation import sglang_flags
+
+SGLANG_VERSION = "0.5.23"
+END_ID = 2  # the instant engine's end token
+ENV = "DFLASH_TEST_SERVER_"
+
+
+@dataclass
+class Knobs:
+    """The test-only settings, from DFLASH_TEST_SERVER_* environment variables."""
+
+    engine: str = "model"
+    answer_words: int = 12
+    delay: float = 0.0
+    fault_rate: float = 0.0
+    faults: str = "500,503,drop,truncate"
+    fault_delay: float = 5.0
+    fault_seed: int = 0
+    die_after: int = 0
+    startup_delay: float = 0.0
+    stats_file: str = ""
+    tokens_per_s: float = 0.0
+    answer_words_per_prompt_word: float = 0.0
+
+    @classmethod
+    def from_env(cls) -> "Knobs":
+        knobs = cls()
+        for name, value in vars(cls()).items():
+            raw = os.environ.get(ENV + name.upper())
+            if raw not in (None, ""):
+                setattr(knobs, name, type(value)(raw))
+        if knobs.engine not in ("model", "instant"):
+            raise SystemExit(f"{ENV}ENGINE={knobs.engine!r}: model or instant")
+        return knobs
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--reasoning-parser", default=None)
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--engine", choices=["model", "instant"], default="model")
-    p.add_argument("--answer-words", type=int, default=12, help="instant engine: words in an answer")
-    p.add_argument("--delay", type=float, default=0.0, help="seconds added to every request")
-    p.add_argument("--fault-rate", type=float, default=0.0)
-    p.add_argument("--faults", default="500,503,drop,truncate", help="comma-separated fault kinds")
-    p.add_argument("--fault-delay", type=float, default=5.0)
-    p.add_argument("--die-after", type=int, default=0, help="exit abruptly on the N-th POST request")
-    p.add_argument("--startup-delay", type=float, default=0.0, help="seconds before /health answers 200")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stats-file", help="write request counts here (JSON) on every request")
-    args, _unknown = p.parse_known_args(argv)  # the rest of sglang's flags (mem fraction, dp size, ...)
-    return args
+    """SGLang's own flags, strictly: an unknown flag is argparse's error and exit status 2."""
+    return sglang_flags.parser(prog="sglang_test_server.py").parse_args(argv)
 
 
 def _h(text: str) -> str:
@@ -75,12 +104,55 @@ def instant_answer(messages: list[dict], words: int) -> tuple[str, str]:
     return f"thinking about {key}", answer
 
 
-END_ID = 2  # the instant engine's end token
-
-
 def word_ids(text: str) -> list[int]:
     """The instant engine's "token ids": one per word, a pure function of the word."""
     return [3 + int(_h(w), 16) % 50000 for w in text.split()]
+
+
+def input_too_long(n: int, context: int) -> str:
+    return f"The input ({n} tokens) is longer than the model's context length ({context} tokens)."
+
+
+def total_too_long(n: int, max_new: int, context: int) -> str:
+    return (f"Requested token count exceeds the model's maximum context length of {context} tokens. You requested a "
+            f"total of {n + max_new} tokens: {n} tokens from the input messages and {max_new} tokens for the "
+            f"completion. Please reduce the number of tokens in the input messages or the completion to fit "
+            f"within the limit.")
+
+
+def context_error(n: int, max_new: int | None, context: int) -> str | None:
+    """SGLang 0.5.23's check (tokenizer_manager._validate_one_request), None when the request fits."""
+    if n >= context:
+        return input_too_long(n, context)
+    if max_new is not None and n + max_new > context:
+        return total_too_long(n, max_new, context)
+    return None
+
+
+def generate_error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def openai_error(message: str, status: int = 400, kind: str = "BadRequestError") -> web.Response:
+    return web.json_response({"object": "error", "message": message, "type": kind, "param": None, "code": status},
+                             status=status)
+
+
+@dataclass
+class Answer:
+    """One generated answer, engine-neutral."""
+
+    text: str                 # the raw output text (thinking included), without the end token
+    output_ids: list[int]     # through the end token when it stopped
+    prompt_ids: list[int]
+    finish: str               # stop | length
+    budget: int
+    extra: dict = field(default_factory=dict)
+
+    def finish_reason(self, end_id: int) -> dict:
+        if self.finish == "length":
+            return {"type": "length", "length": self.budget}
+        return {"type": "stop", "matched": end_id}
 
 
 class SharedDecoder:
@@ -123,54 +195,69 @@ class SharedDecoder:
 
 
 class Server:
-    def __init__(self, args):
+    def __init__(self, args, knobs: Knobs):
         self.args = args
-        self.rng = random.Random(args.seed)
+        self.knobs = knobs
+        self.rng = random.Random(knobs.fault_seed)
         self.posts = 0
         self.faults = 0
+        self.seeds: list = []
+        self.budgets: list = []
         self.started = time.monotonic()
         self.lock = asyncio.Lock()
         self.tokenizer = self.model = None
-        self.decoder = SharedDecoder(float(os.environ.get("DFLASH_TEST_SERVER_TOKENS_PER_S") or 0))
-        self.words_per_prompt_word = float(os.environ.get("DFLASH_TEST_SERVER_ANSWER_WORDS_PER_PROMPT_WORD") or 0)
-        if args.engine == "model":
+        self.decoder = SharedDecoder(knobs.tokens_per_s)
+        self.end_id = END_ID
+        config = self._model_config()
+        self.context = int(args.context_length) if args.context_length else int(
+            config.get("max_position_embeddings") or 32768)
+        self.model_type = config.get("model_type")
+        if knobs.engine == "model":
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             torch.set_num_threads(1)
             self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
             self.model = AutoModelForCausalLM.from_pretrained(args.model_path).eval()
-            self.eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+            self.end_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def _model_config(self) -> dict:
+        path = Path(self.args.model_path) / "config.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    @property
+    def served_name(self) -> str:
+        return self.args.served_model_name or self.args.model_path
 
     # -- faults ----------------------------------------------------------------------------------------
-    async def fault(self, request) -> web.StreamResponse | None:
+    async def fault(self, request, api: str) -> web.StreamResponse | None:
         self.posts += 1
         self._stats()
-        if self.args.die_after and self.posts >= self.args.die_after:
+        if self.knobs.die_after and self.posts >= self.knobs.die_after:
             os._exit(1)
-        if self.args.delay:
-            await asyncio.sleep(self.args.delay)
-        if self.args.fault_rate <= 0 or self.rng.random() >= self.args.fault_rate:
+        if self.knobs.delay:
+            await asyncio.sleep(self.knobs.delay)
+        if self.knobs.fault_rate <= 0 or self.rng.random() >= self.knobs.fault_rate:
             return None
         self.faults += 1
-        kind = self.rng.choice([k.strip() for k in self.args.faults.split(",") if k.strip()])
+        self._stats()
+        kind = self.rng.choice([k.strip() for k in self.knobs.faults.split(",") if k.strip()])
+        return await self._inject(kind, request, api)
+
+    async def _inject(self, kind: str, request, api: str) -> web.StreamResponse | None:
+        error = generate_error if api == "generate" else openai_error
         if kind in ("500", "503"):
-            return web.json_response({"object": "error", "message": "injected fault", "code": int(kind)},
-                                     status=int(kind))
+            return error("injected fault", int(kind))
+        if kind == "400":
+            return error("The model `nonexistent` does not exist.", 400)
         if kind == "drop":
             request.transport.close()
             raise asyncio.CancelledError  # nothing is sent
-        if kind == "400":
-            return web.json_response({"object": "error", "type": "BadRequestError", "code": 400,
-                                      "message": "The model `nonexistent` does not exist."}, status=400)
-        if kind == "empty":
-            return web.json_response({"id": "empty", "object": "chat.completion", "choices": [
-                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "",
-                                                                  "reasoning_content": None}}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
         if kind == "delay":
-            await asyncio.sleep(self.args.fault_delay)
+            await asyncio.sleep(self.knobs.fault_delay)
             return None
+        if kind in ("empty", "abort"):
+            return self._fake_answer(kind, api)
         if kind == "truncate":
             body = json.dumps({"id": "x", "choices": [{"message": {"content": "cut"}}]}).encode()
             resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
@@ -181,43 +268,65 @@ class Server:
             raise asyncio.CancelledError
         raise ValueError(f"unknown fault kind {kind}")
 
+    def _fake_answer(self, kind: str, api: str) -> web.Response:
+        """`empty`: a 200 answer with no content; `abort`: SGLang's answer for a request aborted without an
+        error status (finish_reason abort, HTTP 200)."""
+        abort = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
+        if api == "generate":
+            reason = abort if kind == "abort" else {"type": "stop", "matched": self.end_id}
+            return web.json_response({"text": "", "output_ids": [], "meta_info": {
+                "id": "fault", "finish_reason": reason, "prompt_tokens": 1, "completion_tokens": 0}})
+        return web.json_response({"id": kind, "object": "chat.completion", "choices": [
+            {"index": 0, "finish_reason": "abort" if kind == "abort" else "stop",
+             "message": {"role": "assistant", "content": "", "reasoning_content": None}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
     def _stats(self) -> None:
-        if self.args.stats_file:
-            tmp = self.args.stats_file + ".tmp"
+        if self.knobs.stats_file:
+            tmp = self.knobs.stats_file + ".tmp"
             with open(tmp, "w") as fh:
-                json.dump({"posts": self.posts, "faults": self.faults, "pid": os.getpid()}, fh)
-            os.replace(tmp, self.args.stats_file)
+                json.dump({"posts": self.posts, "faults": self.faults, "pid": os.getpid(), "seeds": self.seeds,
+                           "budgets": self.budgets}, fh)
+            os.replace(tmp, self.knobs.stats_file)
 
     # -- engines ---------------------------------------------------------------------------------------
-    def _too_long(self, prompt_tokens: int) -> web.Response | None:
-        limit = self.args.context_length
-        if limit and prompt_tokens >= limit:
-            return web.json_response({"object": "error", "type": "BadRequestError", "code": 400,
-                                      "message": f"The input ({prompt_tokens} tokens) is longer than the model's "
-                                                 f"context length ({limit} tokens)."}, status=400)
-        return None
+    async def _answer_instant(self, key_messages: list[dict], prompt_ids: list[int], budget: int,
+                              thinking: bool) -> Answer:
+        words_wanted = self.knobs.answer_words + round(self.knobs.answer_words_per_prompt_word * len(prompt_ids))
+        reasoning, answer = instant_answer(key_messages, words_wanted)
+        words = answer.split()
+        finish = "length" if len(words) > budget else "stop"
+        content = " ".join(words[:budget])
+        await self.decoder.decode(min(len(words), budget))
+        text = f"<think>\n{reasoning}\n</think>\n\n{content}" if thinking else content
+        ids = word_ids(text) + ([END_ID] if finish == "stop" else [])
+        return Answer(text, ids, prompt_ids, finish, budget, {"completion_tokens": min(len(words), budget)})
 
-    async def _model_generate(self, ids: list[int], max_new: int, temperature: float) -> tuple[list[int], str]:
+    async def _answer_model(self, prompt_ids: list[int], budget: int, temperature: float, seed) -> Answer:
         import torch
 
-        async with self.lock:
-            def go():
-                with torch.inference_mode():
-                    kwargs = dict(max_new_tokens=max_new, eos_token_id=self.eos, pad_token_id=self.eos)
-                    if temperature > 0:
-                        torch.manual_seed(self.args.seed)
-                        kwargs.update(do_sample=True, temperature=temperature)
-                    else:
-                        kwargs.update(do_sample=False)
-                    out = self.model.generate(input_ids=torch.tensor([ids]), **kwargs)
-                return out[0, len(ids):].tolist()
+        def go():
+            with torch.inference_mode():
+                kwargs = dict(max_new_tokens=budget, eos_token_id=self.end_id, pad_token_id=self.end_id)
+                if temperature > 0:
+                    torch.manual_seed(int(seed if seed is not None else self.args.random_seed or 0))
+                    kwargs.update(do_sample=True, temperature=temperature)
+                else:
+                    kwargs.update(do_sample=False)
+                out = self.model.generate(input_ids=torch.tensor([prompt_ids]), **kwargs)
+            return out[0, len(prompt_ids):].tolist()
 
+        async with self.lock:
             new = await asyncio.to_thread(go)
-        if self.eos in new:
-            return new[: new.index(self.eos)], "stop"
-        return new, "length"
+        if self.end_id in new:
+            new = new[: new.index(self.end_id) + 1]
+            text = self.tokenizer.decode(new[:-1], skip_special_tokens=False)
+            return Answer(text, new, prompt_ids, "stop", budget, {"completion_tokens": len(new)})
+        text = self.tokenizer.decode(new, skip_special_tokens=False)
+        return Answer(text, new, prompt_ids, "length", budget, {"completion_tokens": len(new)})
 
     def _parse(self, text: str, thinking: bool) -> tuple[str | None, str]:
+        """(reasoning, content) as the qwen3 reasoning parser splits them; no parser: all content."""
         if not self.args.reasoning_parser:
             return None, text
         if "</think>" in text:
@@ -227,116 +336,114 @@ class Server:
             return text.lstrip()[len("<think>"):], ""
         return None, text.strip()
 
-    def _answer_words(self, prompt_tokens: int) -> int:
-        return self.args.answer_words + round(self.words_per_prompt_word * prompt_tokens)
-
     # -- handlers --------------------------------------------------------------------------------------
     async def health(self, request):
-        if time.monotonic() - self.started < self.args.startup_delay:
-            return web.Response(status=503)
+        if time.monotonic() - self.started < self.knobs.startup_delay:
+            return web.Response(status=503)  # ServerStatus.Starting
         return web.Response(status=200)
 
     async def model_info(self, request):
-        return web.json_response({"model_path": self.args.model_path, "tokenizer_path": self.args.model_path,
-                                  "is_generation": True})
+        return web.json_response({
+            "model_path": self.args.model_path, "served_model_name": self.served_name,
+            "tokenizer_path": self.args.model_path, "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": self.args.weight_version or "default", "load_format": self.args.load_format or "auto",
+            "reasoning_parser": self.args.reasoning_parser, "tool_call_parser": None, "disaggregation_mode": "null",
+            "has_image_understanding": False, "has_audio_understanding": False, "model_type": self.model_type,
+            "architectures": None})
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{
+            "id": self.served_name, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+            "root": self.served_name, "parent": None, "max_model_len": self.context}]})
 
     async def chat(self, request):
         body = await request.json()
-        faulted = await self.fault(request)
+        faulted = await self.fault(request, "chat")
         if faulted is not None:
             return faulted
         messages = body["messages"]
-        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 128)
+        budget = body.get("max_completion_tokens") or body.get("max_tokens")
         thinking = bool((body.get("chat_template_kwargs") or {}).get("enable_thinking", True))
-        if self.args.engine == "instant":
-            prompt_tokens = sum(len(m["content"].split()) for m in messages)
-            too_long = self._too_long(prompt_tokens)
-            if too_long:
-                return too_long
-            reasoning, answer = instant_answer(messages, self._answer_words(prompt_tokens))
-            words = answer.split()
-            finish = "length" if len(words) > max_tokens else "stop"
-            content = " ".join(words[:max_tokens])
-            completion_tokens = min(len(words), max_tokens)
-            await self.decoder.decode(completion_tokens)
-            if not thinking:
-                reasoning = None
+        self._record(body.get("seed"), budget)
+        if self.knobs.engine == "instant":
             prompt_ids = word_ids(" ".join(m["content"] for m in messages))
-            output_ids = word_ids(f"{reasoning or ''} {content}") + ([END_ID] if finish == "stop" else [])
         else:
             prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                         enable_thinking=thinking)
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            prompt_tokens = len(ids)
-            too_long = self._too_long(prompt_tokens + 0)
-            if too_long:
-                return too_long
-            new, finish = await self._model_generate(ids, max_tokens, float(body.get("temperature", 0.0)))
-            completion_tokens = len(new) + (finish == "stop")
-            reasoning, content = self._parse(self.tokenizer.decode(new, skip_special_tokens=False), thinking)
-            prompt_ids, output_ids = ids, new + ([self.eos] if finish == "stop" else [])
-        if not self.args.reasoning_parser and reasoning is not None:
-            content, reasoning = f"<think>\n{reasoning}\n</think>\n\n{content}", None
-        choice = {"index": 0, "finish_reason": finish,
+            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        problem = context_error(len(prompt_ids), budget, self.context)
+        if problem:
+            return openai_error(problem)
+        budget = int(budget or 128)
+        if self.knobs.engine == "instant":
+            ans = await self._answer_instant(messages, prompt_ids, budget, thinking)
+        else:
+            ans = await self._answer_model(prompt_ids, budget, float(body.get("temperature", 1.0)), body.get("seed"))
+        return web.json_response(self._chat_body(ans, body, thinking))
+
+    def _chat_body(self, ans: Answer, body: dict, thinking: bool) -> dict:
+        reasoning, content = self._parse(ans.text, thinking)
+        choice = {"index": 0, "finish_reason": ans.finish, "matched_stop": self.end_id if ans.finish == "stop" else None,
                   "message": {"role": "assistant", "content": content, "reasoning_content": reasoning}}
-        if body.get("return_token_ids"):  # SGLang 0.5.23: the choice's prompt and response token ids
-            choice.update(prompt_token_ids=prompt_ids, response_token_ids=output_ids)
-        return web.json_response({
-            "id": f"chatcmpl-{self.posts}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.args.model_path,
-            "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-        })
+        if body.get("return_token_ids"):  # choices[0].prompt_token_ids / response_token_ids
+            choice.update(prompt_token_ids=ans.prompt_ids, response_token_ids=ans.output_ids)
+        completion = ans.extra["completion_tokens"]
+        return {"id": f"chatcmpl-{self.posts}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.served_name, "choices": [choice],
+                "usage": {"prompt_tokens": len(ans.prompt_ids), "completion_tokens": completion,
+                          "total_tokens": len(ans.prompt_ids) + completion}}
 
     async def generate(self, request):
         body = await request.json()
-        faulted = await self.fault(request)
+        faulted = await self.fault(request, "generate")
         if faulted is not None:
             return faulted
         sp = body.get("sampling_params") or {}
-        max_new = int(sp.get("max_new_tokens", 128))  # SGLang's default budget is 128
-        if self.args.engine == "instant":
-            text_in = body.get("text") or " ".join(map(str, body.get("input_ids") or []))
-            prompt_tokens = len(text_in.split())
-            too_long = self._too_long(prompt_tokens)
-            if too_long:
-                return too_long
-            reasoning, answer = instant_answer([{"role": "user", "content": text_in}],
-                                               self._answer_words(prompt_tokens))
-            words = answer.split()
-            finish = "length" if len(words) > max_new else "stop"
-            text = f"<think>\n{reasoning}\n</think>\n\n" + " ".join(words[:max_new])
-            completion_tokens = min(len(words), max_new)
-            await self.decoder.decode(completion_tokens)
-            output_ids = word_ids(text) + ([END_ID] if finish == "stop" else [])
+        budget = int(sp.get("max_new_tokens", 128))  # SGLang's default budget is 128
+        self._record(sp.get("sampling_seed"), budget)
+        if body.get("input_ids") is not None:
+            prompt_ids = list(body["input_ids"])
+        elif self.knobs.engine == "instant":
+            prompt_ids = word_ids(body.get("text") or "")
         else:
-            ids = body.get("input_ids") or self.tokenizer(body["text"], add_special_tokens=False)["input_ids"]
-            prompt_tokens = len(ids)
-            too_long = self._too_long(prompt_tokens)
-            if too_long:
-                return too_long
-            new, finish = await self._model_generate(ids, max_new, float(sp.get("temperature", 0.0)))
-            completion_tokens = len(new) + (finish == "stop")
-            text = self.tokenizer.decode(new, skip_special_tokens=bool(sp.get("skip_special_tokens", True)))
-            output_ids = new + ([self.eos] if finish == "stop" else [])  # SGLang: through the stop token
-        reason = {"type": finish, "length": max_new} if finish == "length" else {"type": "stop", "matched": 0}
-        return web.json_response({"text": text, "output_ids": output_ids, "meta_info": {
-            "id": str(self.posts), "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "finish_reason": reason}})
+            prompt_ids = self.tokenizer(body["text"], add_special_tokens=False)["input_ids"]
+        problem = context_error(len(prompt_ids), budget, self.context)
+        if problem:
+            return generate_error(problem)
+        if self.knobs.engine == "instant":
+            key = [{"role": "user", "content": body.get("text") or " ".join(map(str, prompt_ids))}]
+            ans = await self._answer_instant(key, prompt_ids, budget, True)
+        else:
+            ans = await self._answer_model(prompt_ids, budget, float(sp.get("temperature", 1.0)),
+                                           sp.get("sampling_seed"))
+        out = {"text": ans.text, "output_ids": ans.output_ids, "meta_info": {
+            "id": str(self.posts), "finish_reason": ans.finish_reason(self.end_id), "prompt_tokens": len(prompt_ids),
+            "weight_version": self.args.weight_version or "default", "completion_tokens": ans.extra["completion_tokens"],
+            "cached_tokens": 0}}
+        if body.get("return_prompt_token_ids"):
+            out["prompt_token_ids"] = prompt_ids
+        return web.json_response(out)
+
+    def _record(self, seed, budget) -> None:
+        self.seeds.append(seed)
+        self.budgets.append(budget)
+        self._stats()
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    server = Server(args)
+    knobs = Knobs.from_env()
+    server = Server(args, knobs)
     app = web.Application(client_max_size=64 << 20)
     app.router.add_get("/health", server.health)
-    app.router.add_get("/get_model_info", server.model_info)
+    app.router.add_get("/health_generate", server.health)
+    app.router.add_get("/model_info", server.model_info)
+    app.router.add_get("/get_model_info", server.model_info)  # deprecated alias in 0.5.23
+    app.router.add_get("/v1/models", server.models)
     app.router.add_post("/v1/chat/completions", server.chat)
     app.router.add_post("/generate", server.generate)
-    print(f"test server on http://{args.host}:{args.port} (engine {args.engine})", file=sys.stderr, flush=True)
+    print(f"SGLang {SGLANG_VERSION} stand-in on http://{args.host}:{args.port} (engine {knobs.engine})",
+          file=sys.stderr, flush=True)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, handle_signals=True)
 
 

@@ -83,7 +83,7 @@ def test_projection_within_ten_percent_of_the_measured_full_run(tmp_path, tiny_t
     run_cli("calibrate-sample", "--tokens", *tokens, "--shards", *shards, "--samples", "48", "--warmup", "4",
             "--out", sample)
     cal_path = tmp_path / "calibration" / "generation.json"
-    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3") as server:
+    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant") as server:
         proc = run_cli("calibrate", "--input", sample, "--out", cal_path, *FAST, *backend_args(server.url))
         cal = json.loads(cal_path.read_text())
         cfg = {"generate": {"enabled": True, "max_new_tokens": 512, "shards_per_job": 3, "gpus": 0},

@@ -16,10 +16,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import BIN, REPO, run_cli
-from generation_helpers import SERVER, SGLangTestServer, free_port, read_completions, read_summary, write_shard
+from generation_helpers import (
+    SERVER, SGLangTestServer, free_port, knob_env, read_completions, read_summary, write_shard,
+)
 from sglang_test_server import instant_answer
 
-FAST = ["--backoff-base", "0.02", "--backoff-max", "0.2", "--revive-after", "0.5", "--progress-interval", "0.5"]
+FAST = ["--backoff-base", "0.02", "--backoff-max", "0.2", "--revive-after", "0.5", "--progress-interval", "0.5",
+        "--max-new-tokens", "64"]
 
 
 def gen(inp, out, *args, check=True, **kw):
@@ -122,7 +125,7 @@ def test_turns_all_continue_from_the_models_own_answers(tmp_path, tiny_target):
               {"role": "assistant", "content": "OK.", "reasoning_content": None},
               {"role": "user", "content": "Last one", "reasoning_content": None}] for i in range(4)]
     rows = write_shard(tmp_path / "in.parquet", 4, seed=3, extra=multi)
-    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3") as server:
+    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant") as server:
         for turns in ("first", "all"):
             out = tmp_path / turns / "s-00000.parquet"
             gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url, "--turns", turns)
@@ -144,8 +147,8 @@ def test_turns_all_continue_from_the_models_own_answers(tmp_path, tiny_target):
 def test_finish_reason_length_policy(tmp_path, tiny_target, policy):
     rows = write_shard(tmp_path / "in.parquet", 8, seed=4)
     out = tmp_path / "s-00000.parquet"
-    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3",
-                    "--answer-words", "12") as server:
+    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant",
+                          answer_words=12) as server:
         gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url, "--max-new-tokens", "5",
             "--on-length", policy, "--length-retry-max-new-tokens", "32")
     got = assert_one_row_per_sample(out, rows)
@@ -168,7 +171,7 @@ def test_permanent_failures_recorded_once_and_empty_answers_counted(tmp_path, ti
              {"role": "assistant", "content": "OK.", "reasoning_content": None}]]
     rows = write_shard(tmp_path / "in.parquet", 6, seed=5, extra=long)
     out = tmp_path / "s-00000.parquet"
-    with SGLangTestServer(tiny_target, "--engine", "instant", "--context-length", "40") as server:
+    with SGLangTestServer(tiny_target, "--context-length", "40", engine="instant") as server:
         gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url)
         got = assert_one_row_per_sample(out, rows)
         bad = [r for r in got if r["status"] == "failed"]
@@ -179,7 +182,7 @@ def test_permanent_failures_recorded_once_and_empty_answers_counted(tmp_path, ti
         gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url)
         assert read_summary(out)["this_run"]["requests"] == 0
     out2 = tmp_path / "empty" / "s-00000.parquet"
-    with SGLangTestServer(tiny_target, "--engine", "instant", "--fault-rate", "1.0", "--faults", "empty") as server:
+    with SGLangTestServer(tiny_target, engine="instant", fault_rate=1.0, faults="empty") as server:
         gen(tmp_path / "in.parquet", out2, "--backend", "servers", "--servers", server.url, "--empty-retries", "1")
     got = assert_one_row_per_sample(out2, rows)
     assert all(r["status"] == "failed" and r["failure_reason"].startswith("empty response") for r in got)
@@ -191,11 +194,11 @@ def test_permanent_failures_recorded_once_and_empty_answers_counted(tmp_path, ti
 def test_a_server_that_rejects_everything_stops_the_run(tmp_path, tiny_target):
     rows = write_shard(tmp_path / "in.parquet", 40, seed=12)
     out = tmp_path / "s-00000.parquet"
-    with SGLangTestServer(tiny_target, "--engine", "instant", "--fault-rate", "1.0", "--faults", "400") as server:
+    with SGLangTestServer(tiny_target, engine="instant", fault_rate=1.0, faults="400") as server:
         proc = gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url, check=False)
     assert proc.returncode == 2 and "rejects most requests" in proc.stderr and "does not exist" in proc.stderr
     assert not out.exists()  # no shard full of failures; the journal's rejections are retried by a rerun
-    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3") as server:
+    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant") as server:
         gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url)
     assert_answers_belong(assert_one_row_per_sample(out, rows))
 
@@ -204,9 +207,9 @@ def test_twenty_percent_faults_all_complete(tmp_path, tiny_target):
     rows = write_shard(tmp_path / "in.parquet", 60, seed=6)
     out = tmp_path / "s-00000.parquet"
     stats = tmp_path / "stats.json"
-    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3", "--fault-rate", "0.2",
-                    "--faults", "500,503,drop,truncate,delay", "--fault-delay", "3", "--stats-file", stats,
-                    "--seed", "1") as server:
+    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant", fault_rate=0.2,
+                          faults="500,503,drop,truncate,delay,abort", fault_delay=3, stats_file=stats,
+                          fault_seed=1) as server:
         gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url,
             "--request-timeout", "1", "--max-in-flight", "8", "--max-retries", "20")
     got = assert_one_row_per_sample(out, rows)
@@ -220,10 +223,9 @@ def test_dead_server_among_several(tmp_path, tiny_target):
     rows = write_shard(tmp_path / "in.parquet", 60, seed=7)
     out = tmp_path / "s-00000.parquet"
     never = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3", "--delay", "0.01") as a, \
-            SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3", "--delay", "0.01") as b, \
-            SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3",
-                       "--die-after", "6") as dying:
+    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant", delay=0.01) as a, \
+            SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant", delay=0.01) as b, \
+            SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant", die_after=6) as dying:
         proc = gen(tmp_path / "in.parquet", out, "--backend", "servers", "--max-in-flight", "4",
                    "--servers", a.url, never, dying.url, b.url)
         assert dying.proc.wait(5) != 0  # it really died mid-run
@@ -244,8 +246,8 @@ def test_kill9_at_random_points_then_rerun_exactly_one_row_each(tmp_path, tiny_t
     rng = random.Random(0)
     cmd = [str(BIN / "dflash-pipeline"), "generate", "--input", str(tmp_path / "in.parquet"), "--out", str(out),
            *FAST, "--backend", "servers", "--max-in-flight", "4", "--flush-every", "4", "--flush-interval", "0.2"]
-    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3", "--delay", "0.1",
-                    "--stats-file", stats) as server:
+    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant", delay=0.1,
+                          stats_file=stats) as server:
         cmd += ["--servers", server.url]
         kills = 0
         for trial in range(4):
@@ -291,13 +293,13 @@ def test_journal_torn_tail_and_s3_mirror(tmp_path, monkeypatch):
         path = tmp_path / "j" / "s.jsonl"
         j = Journal(path, "s", settings, flush_every=3, mirror="s3://gen-journal/run/journal/s", mirror_interval_s=0.1)
         for i in range(7):
-            j.add({"sample_id": f"id{i}", "status": "ok"})
+            j.add({"sample_id": f"id{i}", "status": "ok", "messages": []})
         j.close()
         with open(path, "ab") as fh:
             fh.write(b'{"sample_id": "id7", "sta')  # torn by a kill in the middle of a write
         j = Journal(path, "s", settings)
         assert sorted(j.done) == [f"id{i}" for i in range(7)]
-        j.add({"sample_id": "id8", "status": "ok"})
+        j.add({"sample_id": "id8", "status": "ok", "messages": []})
         j.close()
         assert sorted(Journal(path, "s", settings).done) == [f"id{i}" for i in range(7)] + ["id8"]
         # a lost node: the local journal is gone, the mirror brings back everything it had
@@ -313,20 +315,21 @@ def test_journal_torn_tail_and_s3_mirror(tmp_path, monkeypatch):
 
 
 def test_sglang_backend_launches_and_always_stops_its_server(tmp_path, tiny_target):
-    """The sglang backend's launcher, with the test server as the launch command (same code path)."""
+    """The sglang backend's launcher, with the SGLang stand-in as the launch command (same code path, flags
+    parsed strictly by both); test knobs reach the server through its environment."""
     rows = write_shard(tmp_path / "in.parquet", 20, seed=9)
     out = tmp_path / "s-00000.parquet"
     stats = tmp_path / "stats.json"
-    cfg = {"launch_command": [sys.executable, str(SERVER), "--engine", "instant", "--delay", "0.3",
-                              "--stats-file", str(stats), "--startup-delay", "0.5"],
-           "reasoning_parser": "qwen3", "mem_fraction_static": 0.8, "context_length": 4096, "instances": 2,
-           "max_in_flight": 2, "startup_timeout_s": 60}
+    env = {**os.environ, **knob_env(engine="instant", delay=0.3, stats_file=stats, startup_delay=0.5)}
+    cfg = {"launch_command": [sys.executable, str(SERVER)], "reasoning_parser": "qwen3", "mem_fraction_static": 0.8,
+           "context_length": 4096, "instances": 2, "max_in_flight": 2, "startup_timeout_s": 60,
+           "mamba_radix_cache_strategy": "extra_buffer", "extra_args": ["--api-key", "s3cret-token"]}
     args = ["--backend", "sglang", "--model", str(tiny_target), "--sglang-json", json.dumps(cfg),
             "--server-log-dir", str(tmp_path / "logs"), "--devices", "0,1"]
     cmd = [str(BIN / "dflash-pipeline"), "generate", "--input", str(tmp_path / "in.parquet"), "--out", str(out),
            *FAST, *args]
     # 1. SIGTERM in the middle: the servers go down with the job
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 60
     while not stats.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -340,9 +343,11 @@ def test_sglang_backend_launches_and_always_stops_its_server(tmp_path, tiny_targ
     logs = sorted((tmp_path / "logs").glob("server-*.log"))
     assert len(logs) == 2  # two instances, one log each
     assert "--mem-fraction-static 0.8" in err and "--reasoning-parser qwen3" in err
+    assert "--mamba-radix-cache-strategy extra_buffer" in err
+    assert "--api-key ***" in err and "s3cret-token" not in err  # a secret flag's value is never logged
     # 2. the rerun completes from the journal and stops its servers on success
     stats.unlink()
-    done = run_cli(*cmd[1:])
+    done = run_cli(*cmd[1:], env=env)
     got = assert_one_row_per_sample(out, rows)
     assert_answers_belong(got)
     pid = json.loads(stats.read_text())["pid"]
@@ -357,10 +362,31 @@ def test_sglang_backend_launches_and_always_stops_its_server(tmp_path, tiny_targ
     assert proc.returncode == 2 and "exited with code 3" in proc.stderr and "boom: no GPU" in proc.stderr
 
 
+@pytest.mark.parametrize("extra, named", [
+    (["--mamba-scheduler-strategy", "extra_buffer"], "--mamba-scheduler-strategy is not a launch flag of SGLang "
+                                                     "0.5.23 (did you mean --mamba-radix-cache-strategy?)"),
+    (["--dp-size", "two"], "--dp-size 'two': not a number"),
+    (["--mamba-radix-cache-strategy", "lazy"], "accepts one of auto, no_buffer, extra_buffer, extra_buffer_lazy"),
+])
+def test_sglang_flags_are_checked_before_launching(tmp_path, tiny_target, extra, named):
+    """A flag SGLang 0.5.23 does not have (or a value it refuses) fails at once, naming it, before any server
+    starts; the stand-in itself refuses unknown flags as launch_server does (argparse, exit status 2)."""
+    write_shard(tmp_path / "in.parquet", 2, seed=9)
+    cfg = {"launch_command": [sys.executable, str(SERVER)], "extra_args": extra}
+    proc = run_cli("generate", "--input", tmp_path / "in.parquet", "--out", tmp_path / "o.parquet", "--backend",
+                   "sglang", "--model", tiny_target, "--sglang-json", json.dumps(cfg), "--server-log-dir",
+                   tmp_path / "logs", check=False)
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr
+    assert not (tmp_path / "logs").exists()  # nothing was launched
+    server = subprocess.run([sys.executable, str(SERVER), "--model-path", str(tiny_target), *extra],
+                            capture_output=True, text=True, timeout=60)
+    assert server.returncode == 2 and ("unrecognized arguments" in server.stderr or "invalid" in server.stderr)
+
+
 def test_several_shards_share_one_engine(tmp_path, tiny_target):
     shards = [write_shard(tmp_path / f"in{i}.parquet", 10 + i, seed=20 + i) for i in range(3)]
     outs = [tmp_path / "out" / f"src-{i:05d}.parquet" for i in range(3)]
-    with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3") as server:
+    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant") as server:
         run_cli("generate", "--input", *[tmp_path / f"in{i}.parquet" for i in range(3)], "--out", *outs, *FAST,
                 "--backend", "servers", "--servers", server.url)
         for rows, out in zip(shards, outs):
@@ -390,7 +416,7 @@ def test_outputs_on_s3_mirror_the_journal_and_a_fresh_node_resumes(tmp_path, tin
         s3.create_bucket(Bucket="gen-out")
         rows = write_shard(tmp_path / "in.parquet", 30, seed=11)
         out = "s3://gen-out/results/completions/src-00000.parquet"
-        with SGLangTestServer(tiny_target, "--engine", "instant", "--reasoning-parser", "qwen3") as server:
+        with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant") as server:
             common = ["--backend", "servers", "--servers", server.url, "--mirror-interval", "0.2"]
             run_cli("generate", "--input", tmp_path / "in.parquet", "--out", out, *FAST, *common,
                     "--journal-dir", tmp_path / "node1", env=env)

@@ -6,9 +6,14 @@ records or `flush_interval_s` seconds, whichever comes first. A `kill -9` can th
 in flight or in the buffer (at most one batch), never corrupt what was already synced: a torn last line
 (no trailing newline, or not JSON) is cut off when the journal is opened again.
 
-The first line is a header with a fingerprint of everything that changes the answers (model, sampling
-parameters, turn mode, thinking). A journal written under another fingerprint is set aside
-(`*.stale-<time>`), never mixed into the new run.
+The first line is a header with a fingerprint of everything that changes the answers (the weights' identity,
+model, sampling parameters, turn mode, thinking, and the record format). A journal written under another
+fingerprint is set aside (`*.stale-<time>`), never mixed into the new run.
+
+A line that is not a record of this format (garbage in the middle, an array, a record without a sample id or
+status, a second header) is quarantined: moved to `<journal>.quarantine.jsonl` with its byte offset and the
+reason, counted and logged; the run goes on with the valid records (the samples of bad lines are generated
+again).
 
 Keys are sample ids: a rerun skips every sample already in the journal (the last record of a sample wins, so
 a transient failure that is retried later is superseded by its success). When outputs live on S3, the
@@ -28,14 +33,42 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dflash_pipeline import storage
+from dflash_pipeline.storage import redact_credentials
 
 LOG = logging.getLogger(__name__)
 JOURNAL_VERSION = 1
+# the record's shape (columns of client.COMPLETION_SCHEMA): 2 added output_ids and prompt_ids
+RECORD_FORMAT = 2
+STATUSES = ("ok", "failed")
 
 
 def fingerprint(settings: dict) -> str:
-    canonical = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)
+    canonical = json.dumps({**settings, "record_format": RECORD_FORMAT}, sort_keys=True, separators=(",", ":"),
+                           default=str)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def record_problem(rec) -> str | None:
+    """Why a parsed journal line is not a sample record (None when it is one)."""
+    if not isinstance(rec, dict):
+        return f"a JSON {type(rec).__name__}, not an object"
+    if "journal" in rec:
+        return "a second header"
+    if not isinstance(rec.get("sample_id"), str) or not rec["sample_id"]:
+        return "no sample_id"
+    if rec.get("status") not in STATUSES:
+        return f"status {rec.get('status')!r} is not one of {', '.join(STATUSES)}"
+    if not isinstance(rec.get("messages"), list):
+        return "no messages list"
+    return None
 
 
 class S3Mirror:
@@ -130,6 +163,7 @@ class Journal:
         self.flush_every = max(1, flush_every)
         self.flush_interval_s = flush_interval_s
         self.done: dict[str, dict] = {}
+        self.quarantined = 0
         self._buffer: list[bytes] = []
         self._last_flush = time.monotonic()
         self._lock = threading.Lock()
@@ -141,7 +175,7 @@ class Journal:
                 self.mirror = S3Mirror(mirror, mirror_interval_s)
             except Exception as exc:  # the local journal still gives exactly-once on this node
                 LOG.error("%s: journal mirror %s is not usable (%s: %s); continuing with the local journal only",
-                          shard, mirror, type(exc).__name__, str(exc)[:200])
+                          shard, redact_credentials(mirror), type(exc).__name__, redact_credentials(str(exc))[:200])
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.mirror and not self.path.exists():
             self._restore_from_mirror()
@@ -154,14 +188,14 @@ class Journal:
         for line in lines:
             try:
                 rec = json.loads(line)
-            except ValueError:
-                continue  # an object cut short cannot happen with put_object; be lenient anyway
-            if "journal" in rec:
+            except (ValueError, RecursionError):
+                rec = None
+            if isinstance(rec, dict) and "journal" in rec:
                 current = rec.get("fingerprint")
                 if current == self.fingerprint and header is None:
                     header = line
             elif current == self.fingerprint:
-                keep.append(line)
+                keep.append(line)  # bad lines come along and are quarantined when the journal is opened
         if header is None:
             return
         LOG.info("%s: restoring %d journal records from the S3 mirror", self.shard, len(keep))
@@ -170,56 +204,90 @@ class Journal:
 
     def _open(self, settings: dict) -> None:
         header = None
-        valid_end = 0
         if self.path.exists():
-            with open(self.path, "rb") as fh:
-                data = fh.read()
-            pos = 0
-            while pos < len(data):
-                nl = data.find(b"\n", pos)
-                if nl < 0:
-                    break  # torn tail: no newline
-                line = data[pos:nl]
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    rest = data[nl + 1:]
-                    if rest.strip():
-                        raise RuntimeError(f"{self.path}: corrupt journal line at byte {pos} (not at the end)")
-                    break  # torn tail
-                if header is None:
-                    header = rec
-                    if rec.get("fingerprint") != self.fingerprint:
-                        break
-                else:
-                    self.done[rec["sample_id"]] = rec
-                pos = nl + 1
-                valid_end = pos
+            header, valid_end, size, bad = self._read_existing()
             if header is None or header.get("fingerprint") != self.fingerprint:
-                if header is not None or valid_end:
-                    stale = self.path.with_name(self.path.name + f".stale-{int(time.time())}")
-                    LOG.warning("%s: journal %s was written with other generation settings; set aside as %s",
-                                self.shard, self.path, stale.name)
-                    os.replace(self.path, stale)
-                else:
-                    self.path.unlink()
-                self.done.clear()
+                self._set_aside(header is not None or valid_end > 0)
                 header = None
-            elif valid_end < len(data):
-                LOG.warning("%s: cutting a torn journal tail (%d bytes)", self.shard, len(data) - valid_end)
-                with open(self.path, "rb+") as fh:
-                    fh.truncate(valid_end)
-                    os.fsync(fh.fileno())
+            else:
+                if bad:
+                    self._quarantine(bad)
+                if bad or valid_end < size:
+                    self._rewrite_valid(bad, valid_end, size)
         self._fh = open(self.path, "ab")
         if header is None:
-            line = json.dumps({"journal": JOURNAL_VERSION, "shard": self.shard, "fingerprint": self.fingerprint,
-                               "settings": settings}, default=str).encode("utf-8") + b"\n"
-            self._fh.write(line)
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            storage._fsync_dir(self.path.parent)
-            if self.mirror:
-                self.mirror.add(line)
+            self._write_header(settings)
+
+    def _read_existing(self) -> tuple[dict | None, int, int, list]:
+        """(header, end of the last complete line, file size, bad lines as (offset, line, reason)); fills done.
+        A last line without its newline is a torn tail (a kill in the middle of a write), not a bad line."""
+        data = self.path.read_bytes()
+        header, pos, bad = None, 0, []
+        while pos < len(data):
+            nl = data.find(b"\n", pos)
+            if nl < 0:
+                break  # torn tail
+            line = data[pos:nl]
+            try:
+                rec = json.loads(line)
+            except (ValueError, RecursionError):
+                rec, problem = None, "not JSON"
+            else:
+                problem = None if header is None else record_problem(rec)
+            if header is None and problem is None and isinstance(rec, dict) and "journal" in rec:
+                header = rec
+                if rec.get("fingerprint") != self.fingerprint:
+                    return header, nl + 1, len(data), bad
+            elif header is None:
+                return None, 0, len(data), bad  # no header: not one of our journals
+            elif problem:
+                bad.append((pos, line, problem))
+            else:
+                self.done[rec["sample_id"]] = rec
+            pos = nl + 1
+        return header, pos, len(data), bad
+
+    def _set_aside(self, keep: bool) -> None:
+        if keep:
+            stale = self.path.with_name(self.path.name + f".stale-{int(time.time())}")
+            LOG.warning("%s: journal %s was written with other generation settings (weights, sampling or record "
+                        "format); set aside as %s", self.shard, self.path, stale.name)
+            os.replace(self.path, stale)
+        else:
+            self.path.unlink()
+        self.done.clear()
+
+    def _quarantine(self, bad: list) -> None:
+        side = self.path.with_name(self.path.name.removesuffix(".jsonl") + ".quarantine.jsonl")
+        with open(side, "ab") as fh:
+            for offset, line, reason in bad:
+                fh.write(json.dumps({"journal": str(self.path), "offset": offset, "reason": reason,
+                                     "line": line.decode("utf-8", "replace")}).encode("utf-8") + b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.quarantined = len(bad)
+        LOG.warning("%s: %d bad journal line(s) quarantined to %s (first at byte %d: %s); their samples are "
+                    "generated again", self.shard, len(bad), side, bad[0][0], bad[0][2])
+
+    def _rewrite_valid(self, bad: list, valid_end: int, size: int) -> None:
+        """The journal without its bad lines and torn tail (atomically), so the next open finds it clean."""
+        if valid_end < size:
+            LOG.warning("%s: cutting a torn journal tail (%d bytes)", self.shard, size - valid_end)
+        data = self.path.read_bytes()[:valid_end]
+        for offset, line, _ in sorted(bad, reverse=True):
+            data = data[:offset] + data[offset + len(line) + 1:]
+        with storage.atomic_open(self.path, "wb") as fh:
+            fh.write(data)
+
+    def _write_header(self, settings: dict) -> None:
+        line = json.dumps({"journal": JOURNAL_VERSION, "record_format": RECORD_FORMAT, "shard": self.shard,
+                           "fingerprint": self.fingerprint, "settings": settings}, default=str).encode("utf-8") + b"\n"
+        self._fh.write(line)
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        _fsync_dir(self.path.parent)  # the new file's name is durable too
+        if self.mirror:
+            self.mirror.add(line)
 
     # -- appending -----------------------------------------------------------------------------------
     # Writes and fsyncs run on one background thread (in order), so the event loop never waits for the

@@ -2,11 +2,11 @@
 
 One process may take several shards (`--input a b --out A B`): they share one engine (one set of SGLang
 servers, started once) and one pool of workers, so the servers stay saturated across shard boundaries; each
-shard is finalized as soon as its last sample is done.
+shard is finalized as soon as its last sample is done (`shards.ShardJob`). A rerun reads each shard's journal
+and sends only the samples not yet done.
 
-Per shard: `OUT` (Parquet, `generation_client.COMPLETION_SCHEMA`, exactly one row per input sample, in input
-order), `OUT` with `.summary.json` (counts, tokens, throughput) and a journal `JOURNAL_DIR/<shard>.jsonl`
-(see `generation_journal`). A rerun reads the journal and sends only the samples not yet done.
+Modules: `client` (one sample: turns, seeds, retries, policies), `engines` (HTTP servers, hf in-process),
+`servers` (the SGLang launcher), `sglang_flags` (SGLang's real flag list), `journal` (exactly-once records).
 """
 
 from __future__ import annotations
@@ -14,31 +14,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import io
 import json
 import logging
 import os
 import signal
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from dflash_pipeline import storage
+from dflash_pipeline import storage, target
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.generation.client import (
-    COMPLETION_SCHEMA, Counters, FatalError, HTTPEngine, Policy, SamplingParams, generate_sample,
-)
-from dflash_pipeline.generation.journal import Journal
+from dflash_pipeline.generation.client import Counters, FatalError, Policy, SamplingParams, generate_sample
+from dflash_pipeline.generation.journal import RECORD_FORMAT
+from dflash_pipeline.generation.shards import ShardJob
 
 LOG = logging.getLogger("dflash_pipeline.generation.stage")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    io_ = p.add_argument_group("shards")
+    _add_shard_arguments(p.add_argument_group("shards"))
+    _add_backend_arguments(p.add_argument_group("backend"))
+    _add_sampling_arguments(p.add_argument_group("sampling and policy"))
+
+
+def _add_shard_arguments(io_) -> None:
     io_.add_argument("--input", nargs="+", required=True, help="ingested shard(s) (SAMPLE_SCHEMA Parquet)")
     io_.add_argument("--out", nargs="+", required=True, help="completion shard(s), one per --input")
     io_.add_argument("--journal-dir", help="where the per-shard journals live (default: OUT_DIR/journal)")
@@ -53,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     io_.add_argument("--calibration", help="the calibration's JSON (`dflash-pipeline calibrate`): progress lines and "
                      "summaries compare the live rate with it")
 
-    be = p.add_argument_group("backend")
+
+def _add_backend_arguments(be) -> None:
     be.add_argument("--backend", choices=["hf", "sglang", "servers"], required=True)
     be.add_argument("--model", help="target model directory (hf, sglang; api=generate renders with its tokenizer)")
     be.add_argument("--model-name", help="model identity recorded with each sample (default: from the server)")
@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     be.add_argument("--max-in-flight", type=int, default=64, help="requests in flight per server")
     be.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
     be.add_argument("--all-down-timeout", type=float, default=600.0,
-                    help="stop the run when every server has been down this long (s)")
+                    help="stop the run when every server has been down this long (s); also how long the start "
+                         "waits for a healthy server (backend servers)")
     be.add_argument("--revive-after", type=float, default=5.0,
                     help="seconds before a server taken out is probed again (doubling while it stays down)")
     be.add_argument("--sglang-json", default="{}", help="config generate.sglang as JSON (launch flags)")
@@ -73,15 +74,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     be.add_argument("--device", default="cpu", help="hf backend: torch device")
     be.add_argument("--threads", type=int, default=0, help="hf backend: torch CPU threads (0: torch's default)")
     be.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    be.add_argument("--context-length", type=int, help="hf backend: prompt + answer limit (default: model's)")
+    be.add_argument("--context-length", type=int,
+                    help="prompt + answer limit (default: the servers' max_model_len, or the model's config)")
     be.add_argument("--trust-remote-code", action="store_true")
 
-    sp = p.add_argument_group("sampling and policy")
+
+def _add_sampling_arguments(sp) -> None:
     sp.add_argument("--max-new-tokens", type=int, default=2048)
     sp.add_argument("--temperature", type=float, default=0.6)
     sp.add_argument("--top-p", type=float, default=0.95)
     sp.add_argument("--top-k", type=int, default=20)
-    sp.add_argument("--seed", type=int)
+    sp.add_argument("--seed", type=int, help="base seed; every sample's requests carry a seed derived from it "
+                                             "and the sample id (default 0)")
     sp.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=True)
     sp.add_argument("--turns", choices=["first", "all"], default="first",
                     help="first: answer the first user turn only; all: every assistant turn, in order, "
@@ -97,116 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-class ShardJob:
-    def __init__(self, input_path: str, out: str, journal_path: Path, mirror: str | None):
-        self.input_path = input_path
-        self.out = out
-        self.name = Path(out.rstrip("/")).name.removesuffix(".parquet")
-        self.summary_path = out.removesuffix(".parquet") + ".summary.json"
-        self.journal_path = journal_path
-        self.mirror = mirror
-        self.rows = _read_rows(input_path)
-        ids = [r["sample_id"] for r in self.rows]
-        if len(set(ids)) != len(ids):
-            raise PipelineError(f"{input_path}: duplicate sample ids; generation is keyed by sample id")
-        self.counters = Counters()
-        self.journal: Journal | None = None
-        self.todo: list[dict] = []
-        self.remaining = 0
-        self.resumed = 0
-        self.t0 = time.monotonic()
-        self.finalized = False
-
-    def open(self, settings: dict, args) -> None:
-        self.journal = Journal(self.journal_path, self.name, settings, flush_every=args.flush_every,
-                               flush_interval_s=args.flush_interval, mirror=self.mirror,
-                               mirror_interval_s=args.mirror_interval)
-        wanted = {r["sample_id"] for r in self.rows}
-        stray = set(self.journal.done) - wanted
-        if stray:
-            LOG.warning("%s: %d journal records are not in the input (ignored)", self.name, len(stray))
-        for row in self.rows:
-            rec = self.journal.done.get(row["sample_id"])
-            if rec is None or (args.retry_failed and rec["status"] != "ok" and not rec.get("permanent", True)):
-                self.todo.append(row)
-        self.resumed = len(self.rows) - len(self.todo)
-        self.remaining = len(self.todo)
-        if self.resumed:
-            LOG.info("%s: %d of %d samples already done (journal); %d to generate", self.name, self.resumed,
-                     len(self.rows), len(self.todo))
-
-    def finalize(self, meta: dict) -> dict:
-        self.journal.flush()
-        records = []
-        for row in self.rows:
-            rec = self.journal.done.get(row["sample_id"])
-            if rec is None:
-                raise RuntimeError(f"{self.name}: sample {row['sample_id']} has no result")  # cannot happen
-            records.append({k: rec.get(k) for k in COMPLETION_SCHEMA.names})
-        table = pa.Table.from_pylist(records, schema=COMPLETION_SCHEMA)
-        _write_parquet(table, self.out)
-        statuses = [r["status"] for r in records]
-        wall = time.monotonic() - self.t0
-        reasons: dict[str, int] = {}
-        for r in records:
-            if r["status"] != "ok":
-                key = r["failure_reason"].split(":")[0][:80]
-                reasons[key] = reasons.get(key, 0) + 1
-        summary = {
-            "shard": self.name,
-            "input": self.input_path,
-            "output": self.out,
-            "samples": len(records),
-            "ok": statuses.count("ok"),
-            "failed": statuses.count("failed"),
-            "failure_reasons": reasons,
-            "finish_reason_length": sum(r["finish_reason"] == "length" for r in records if r["status"] == "ok"),
-            "prompt_tokens": sum(r["prompt_tokens"] for r in records),
-            "completion_tokens": sum(r["completion_tokens"] for r in records),
-            "resumed_from_journal": self.resumed,
-            "this_run": {**asdict(self.counters), "wall_s": round(wall, 3),
-                         "completion_tokens_per_s": round(self.counters.completion_tokens / max(wall, 1e-9), 1),
-                         "samples_per_s": round(len(self.todo) / max(wall, 1e-9), 3)},
-            **meta,
-        }
-        _write_json(summary, self.summary_path)
-        self.finalized = True
-        LOG.info("%s: done: %d ok, %d failed (%s) -> %s", self.name, summary["ok"], summary["failed"],
-                 reasons or "none", self.out)
-        return summary
-
-
-def _read_rows(path: str) -> list[dict]:
-    if storage.is_s3(path):
-        with storage.open_binary(path) as fh:
-            table = pq.read_table(pa.BufferReader(fh.read()))
-    else:
-        table = pq.read_table(path)
-    missing = {"sample_id", "source", "source_id", "messages"} - set(table.column_names)
-    if missing:
-        raise PipelineError(f"{path}: not an ingested shard (missing columns {sorted(missing)})")
-    return table.select(["sample_id", "source", "source_id", "messages"]).to_pylist()
-
-
-def _write_parquet(table: pa.Table, out: str) -> None:
-    if storage.is_s3(out):
-        buf = io.BytesIO()
-        pq.write_table(table, buf, compression="zstd")
-        bucket, key = storage.split_s3(out)
-        storage.s3_client().put_object(Bucket=bucket, Key=key, Body=buf.getvalue())
-        return
-    with storage.atomic_path(out) as tmp:
-        pq.write_table(table, tmp, compression="zstd")
-
-
-def _write_json(obj: dict, out: str) -> None:
-    if storage.is_s3(out):
-        bucket, key = storage.split_s3(out)
-        storage.s3_client().put_object(Bucket=bucket, Key=key, Body=json.dumps(obj, indent=2).encode())
-        return
-    storage.write_json(out, obj)
-
-
+# progress
+# --------------------------------------------------------------------------------------------------------
 def _fmt_eta(seconds: float) -> str:
     if seconds != seconds or seconds == float("inf"):
         return "?"
@@ -272,13 +168,68 @@ def request_settings(args) -> tuple[SamplingParams, Policy]:
     return params, policy
 
 
-async def run_shards(jobs: list[ShardJob], engine, args, progress_interval: float) -> list[dict]:
-    params, policy = request_settings(args)
+def weights_identity(args, engine) -> dict:
+    """What identifies the target's weights in the journal's fingerprint: the model directory's fingerprint
+    (config + weight files' names, sizes, mtimes) where we have it, and what the servers report."""
+    ident = {"model_dir": target.fingerprint(args.model) if args.model else None}
+    if args.backend != "hf":
+        ident["servers"] = engine.identity  # model path @ weight_version
+    return ident
+
+
+def shard_settings(args, engine, params: SamplingParams, policy: Policy) -> tuple[str, dict, dict]:
+    """(sampling JSON, journal settings, summary meta) of this run."""
     model = args.model_name or engine.model_name
     sampling_json = params.to_json(turns=policy.turns, on_length=policy.on_length,
                                    length_retry_max_new_tokens=policy.length_retry_max_new_tokens, api=args.api)
-    settings = {"model": model, "sampling": json.loads(sampling_json)}
+    settings = {"model": model, "weights": weights_identity(args, engine), "record_format": RECORD_FORMAT,
+                "sampling": json.loads(sampling_json)}
     meta = {"model": model, "sampling_params": json.loads(sampling_json), "backend": args.backend}
+    return sampling_json, settings, meta
+
+
+# --------------------------------------------------------------------------------------------------------
+# the run: one queue of (shard, sample) over all shards, `engine.capacity` workers
+# --------------------------------------------------------------------------------------------------------
+def _check_rejections(jobs: list[ShardJob], rec: dict) -> None:
+    rejected = sum(j.counters.rejected for j in jobs)
+    finished = sum(j.counters.ok + j.counters.failed for j in jobs)
+    if rejected >= 16 and rejected * 2 > finished:
+        raise FatalError(f"the server rejects most requests ({rejected} of {finished}), e.g. "
+                         f"{rec['failure_reason']!r}: check the configuration (a rerun retries them)")
+
+
+async def _worker(queue: asyncio.Queue, engine, jobs, params, policy, model, sampling_json, progress, meta,
+                  summaries: list) -> None:
+    while True:
+        try:
+            job, row = queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return
+        rec = await generate_sample(engine, row, params, policy, job.counters, model, sampling_json)
+        job.journal.add(rec)
+        _check_rejections(jobs, rec)
+        job.remaining -= 1
+        if job.remaining == 0:
+            summaries.append(await asyncio.to_thread(job.finalize, {**meta, **progress.versus_calibration()}))
+
+
+async def _reporter(jobs: list[ShardJob], progress: Progress, interval: float) -> None:
+    """Flushes journals on time and logs a progress line every `interval` seconds."""
+    last = time.monotonic()
+    while True:
+        await asyncio.sleep(min(interval, 1.0))
+        for job in jobs:
+            if not job.finalized:
+                job.journal.maybe_flush()
+        if time.monotonic() - last >= interval:
+            last = time.monotonic()
+            LOG.info("%s", progress.line())
+
+
+async def run_shards(jobs: list[ShardJob], engine, args, progress_interval: float) -> list[dict]:
+    params, policy = request_settings(args)
+    sampling_json, settings, meta = shard_settings(args, engine, params, policy)
     summaries: list[dict] = []
     for job in jobs:
         await asyncio.to_thread(job.open, settings, args)
@@ -291,39 +242,12 @@ async def run_shards(jobs: list[ShardJob], engine, args, progress_interval: floa
     progress = Progress(jobs, engine, calibration_rate(getattr(args, "calibration", None)))
     LOG.info("%d shards, %d samples, %d to generate with %s (%d requests in flight at most)", len(jobs),
              progress.total, progress.todo, engine.describe(), engine.capacity)
-
-    async def worker() -> None:
-        while True:
-            try:
-                job, row = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            rec = await generate_sample(engine, row, params, policy, job.counters, model, sampling_json)
-            job.journal.add(rec)
-            rejected = sum(j.counters.rejected for j in jobs)
-            finished = sum(j.counters.ok + j.counters.failed for j in jobs)
-            if rejected >= 16 and rejected * 2 > finished:
-                raise FatalError(f"the server rejects most requests ({rejected} of {finished}), e.g. "
-                                 f"{rec['failure_reason']!r}: check the configuration (a rerun retries them)")
-            job.remaining -= 1
-            if job.remaining == 0:
-                summaries.append(await asyncio.to_thread(job.finalize, {**meta, **progress.versus_calibration()}))
-
-    async def reporter() -> None:
-        while True:
-            await asyncio.sleep(min(progress_interval, 1.0))
-            for job in jobs:
-                if not job.finalized:
-                    job.journal.maybe_flush()
-            if time.monotonic() - reporter.last >= progress_interval:
-                reporter.last = time.monotonic()
-                LOG.info("%s", progress.line())
-
-    reporter.last = time.monotonic()
-    report_task = asyncio.create_task(reporter())
-    workers = [asyncio.create_task(worker()) for _ in range(max(1, min(engine.capacity, progress.todo)))]
+    report_task = asyncio.create_task(_reporter(jobs, progress, progress_interval))
+    workers = [asyncio.create_task(_worker(queue, engine, jobs, params, policy, settings["model"], sampling_json,
+                                           progress, meta, summaries))
+               for _ in range(max(1, min(engine.capacity, progress.todo)))]
     try:
-        done, pending = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+        done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
             if task.exception():
                 raise task.exception()
@@ -339,35 +263,27 @@ async def run_shards(jobs: list[ShardJob], engine, args, progress_interval: floa
     return summaries
 
 
-def _engine(args, urls: list[str] | None = None):
-    if args.backend == "hf":
-        from dflash_pipeline.generation.backends import HFEngine
+# --------------------------------------------------------------------------------------------------------
+# engines and servers
+# --------------------------------------------------------------------------------------------------------
+def make_engine(args, urls: list[str] | None = None):
+    """The engine these flags configure (hf in-process, or HTTP to `urls` / --servers); not started yet."""
+    from dflash_pipeline.generation.engines import HFEngine, HTTPEngine, chat_renderer
 
+    if args.backend == "hf":
         if not args.model:
             raise PipelineError("--backend hf needs --model")
         return HFEngine(args.model, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                         context_length=args.context_length, trust_remote_code=args.trust_remote_code,
-                        seed=args.seed or 0, threads=args.threads or None)
+                        threads=args.threads or None)
     render = None
     if args.api == "generate":
         if not args.model:
             raise PipelineError("--api generate needs --model (its tokenizer renders the prompts)")
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-
-        def render(messages, enable_thinking):  # the prompt's token ids, sent as input_ids
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                           enable_thinking=enable_thinking)
-            return tok(text, add_special_tokens=False)["input_ids"]
+        render = chat_renderer(args.model, trust_remote_code=args.trust_remote_code)
     return HTTPEngine(urls or args.servers, max_in_flight=args.max_in_flight, request_timeout_s=args.request_timeout,
-                      api=args.api, model=args.model_name or None, render=render, all_down_timeout_s=args.all_down_timeout,
-                      revive_after_s=args.revive_after)
-
-
-def make_engine(args, urls: list[str] | None = None):
-    """The engine these flags configure (hf in-process, or HTTP to `urls` / --servers); not started yet."""
-    return _engine(args, urls)
+                      api=args.api, model=args.model_name or None, render=render, context_length=args.context_length,
+                      all_down_timeout_s=args.all_down_timeout, revive_after_s=args.revive_after)
 
 
 async def _amain(jobs, args, urls) -> list[dict]:
@@ -375,8 +291,9 @@ async def _amain(jobs, args, urls) -> list[dict]:
     main_task = asyncio.current_task()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, main_task.cancel)
-    engine = _engine(args, urls)
-    await engine.start(wait_s=60.0)
+    engine = make_engine(args, urls)
+    # servers we launched are healthy already; running ones (SGLang: 503 during warm-up) get the full budget
+    await engine.start(wait_s=60.0 if urls else args.all_down_timeout)
     try:
         return await run_shards(jobs, engine, args, args.progress_interval)
     finally:
@@ -394,26 +311,24 @@ def serving(args):
     if args.backend != "sglang":
         yield None
         return
-    from dflash_pipeline.generation.backends import launched_servers, sglang_command
+    from dflash_pipeline.generation.servers import launched_servers, requests_in_flight, sglang_command
 
     if not args.model:
         raise PipelineError("--backend sglang needs --model")
     cfg = json.loads(args.sglang_json)
+    command = sglang_command(args.model, cfg, trust_remote_code=args.trust_remote_code)  # checked: fails here
     devices = args.devices or os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = [d for d in devices.split(",") if d.strip()] if devices else None
-    command = sglang_command(args.model, cfg, trust_remote_code=args.trust_remote_code)
+    args.max_in_flight = requests_in_flight(cfg)
+    LOG.info("sglang: %d requests in flight per server (max_running_requests %s x dp_size %s, per DP replica)",
+             args.max_in_flight, cfg.get("max_running_requests") or "default", cfg.get("dp_size") or 1)
     with launched_servers(command, instances=int(cfg.get("instances") or 1), devices=devices,
-                          log_dir=args.server_log_dir, startup_timeout_s=float(cfg.get("startup_timeout_s")
-                                                                               or 1800)) as urls:
-        args.max_in_flight = int(cfg.get("max_in_flight") or args.max_in_flight)
+                          log_dir=args.server_log_dir, startup_timeout_s=float(cfg.get("startup_timeout_s") or 1800),
+                          gpus_per_server=int(cfg.get("tp_size") or 1) * int(cfg.get("dp_size") or 1)) as urls:
         yield urls
 
 
-def run(args) -> int:
-    if len(args.input) != len(args.out):
-        raise PipelineError(f"--input has {len(args.input)} shards but --out has {len(args.out)}")
-    if args.backend == "servers" and not args.servers:
-        raise PipelineError("--backend servers needs --servers URL [URL ...]")
+def _shard_jobs(args) -> list[ShardJob]:
     journal_dir = Path(args.journal_dir) if args.journal_dir else None
     jobs = []
     for inp, out in zip(args.input, args.out):
@@ -423,6 +338,15 @@ def run(args) -> int:
             mirror = out.rsplit("/", 1)[0] + "/journal"
         jdir = journal_dir or (Path(".generate-journal") if storage.is_s3(out) else Path(out).parent / "journal")
         jobs.append(ShardJob(inp, out, jdir / f"{name}.jsonl", f"{mirror.rstrip('/')}/{name}" if mirror else None))
+    return jobs
+
+
+def run(args) -> int:
+    if len(args.input) != len(args.out):
+        raise PipelineError(f"--input has {len(args.input)} shards but --out has {len(args.out)}")
+    if args.backend == "servers" and not args.servers:
+        raise PipelineError("--backend servers needs --servers URL [URL ...]")
+    jobs = _shard_jobs(args)
     previous = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with serving(args) as urls:
