@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from conftest import run_cli
 from dflash_pipeline.planning.plan import make_plan, render
+from dflash_pipeline.planning.projection import RunShape, gate_failures, project_generation
+from dflash_pipeline.report.figures import plan_vs_actual
 
 SHAPE_27B = {"hidden_size": 5120, "num_layers": 64, "active_params": 25e9, "model_type": "qwen3_5"}
 IDS_27B = [1, 16, 31, 46, 61]
@@ -60,3 +64,81 @@ def test_plan_command_uses_measured_stats(tiny_target, tmp_path):
     assert plan["extract_tokens"] == 250 and plan["extract_tok_s"] == 500 and plan["ratio"] == 0.6
     assert plan["target_layer_ids"] == [1, 5]
     assert (tmp_path / "plan.txt").read_text() == proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------------
+# generation: the projection from a calibration, the gate, the README example, the report's comparison
+# ------------------------------------------------------------------------------------------------------
+def _calibration(rate=1000.0, lengths=(100, 300, 500, 700, 900), startup=60.0):
+    return {"throughput": {"output_tok_s": rate, "steady_state": True}, "startup_s": startup,
+            "output_tokens": {"mean": sum(lengths) / len(lengths), "per_sample_all": list(lengths)},
+            "requests": {"samples": len(lengths)}, "window": {"start": "a", "end": "b"},
+            "finish_length_rate": 0.2, "failure_rate": 0.0}
+
+
+def test_generation_projection_from_measured_figures():
+    proj = project_generation(_calibration(), RunShape(samples=100_000, jobs=10, parallel_jobs=4, gpus_per_job=2,
+                                                       max_new_tokens=1000, gpu_hour_usd=2.0))
+    job_s = 10 * 60 + 100_000 * 500 / 1000  # every job's start-up + the tokens at the measured rate
+    assert proj["expected_output_tokens"] == 5e7 and proj["output_tok_s_per_gpu"] == 500
+    assert abs(proj["wall_hours"] - job_s / 4 / 3600) < 1e-9
+    assert abs(proj["gpu_hours"] - job_s * 2 / 3600) < 1e-9 and abs(proj["cost_usd"] - proj["gpu_hours"] * 2) < 1e-9
+    slow = proj["sensitivity"]["throughput -25%"]["wall_hours"]
+    assert abs(slow - (600 + 5e7 / 750) / 4 / 3600) < 1e-9
+    alts = {a["change"].split(":")[0].split(" (")[0]: a for a in proj["alternatives"]}
+    assert abs(alts["twice the GPUs"]["wall_hours"] - job_s / 8 / 3600) < 1e-9  # 10 jobs: 8 can run at once
+    capped = next(a for a in proj["alternatives"] if "max_new_tokens 1000 -> 500" in a["change"])
+    assert "40% of the calibration's answers would be cut" in capped["note"]  # 700 and 900 of the five
+    assert abs(capped["wall_hours"] - (600 + 100_000 * 380 / 1000) / 4 / 3600) < 1e-9
+    assert gate_failures(proj, max_wall_hours=1.0, max_gpu_hours=None)[0].startswith("projected wall time 3.5 h")
+    assert gate_failures(proj, max_wall_hours=None, max_gpu_hours=20) and not gate_failures(proj, 4.0, 30.0)
+
+
+def test_generation_gate_command_stops_with_the_figures_and_alternatives(tmp_path):
+    plan = make_plan(_tok(1000, 300, 200), SHAPE_27B, IDS_27B, generate={"enabled": True, "max_new_tokens": 1000,
+                                                                         "gpus": 1, "parallel_jobs": 1},
+                     tokenize={"max_length": 3072}, extract={"codec": "zstd"}, calibration=_calibration(), jobs=1)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    proc = run_cli("generation-gate", "--plan", tmp_path / "plan.json", "--max-wall-hours", "0.01",
+                   "--out", tmp_path / "gate.ok", check=False)
+    assert proc.returncode == 1 and not (tmp_path / "gate.ok").exists()
+    assert "GENERATION GATE: STOP before the full generation (nothing was generated)" in proc.stderr
+    assert "exceeds generate.max_wall_hours 0.01" in proc.stderr
+    assert "1,000 output tok/s per job" in proc.stderr and "25% fewer samples" in proc.stderr
+    run_cli("generation-gate", "--plan", tmp_path / "plan.json", "--max-wall-hours", "1", "--out", tmp_path / "gate.ok")
+    assert json.loads((tmp_path / "gate.ok").read_text())["max_wall_hours"] == 1.0
+    # the extraction tokens come from the measured answer lengths: prompt 100 + mean 500, not + 1000
+    assert plan["extract_tokens"] == 1000 * 600 and plan["extract_tokens_bound"] == 1000 * 1100
+
+
+def test_readme_example_is_what_the_code_prints(repo_root):
+    out = subprocess.run([sys.executable, str(repo_root / "benchmarks/plan_example_27b.py")], capture_output=True,
+                         text=True, check=True).stdout
+    readme = (repo_root / "README.md").read_text()
+    shown = [line for line in out.splitlines() if line.startswith(("  generate", "    ", "GENERATION GATE"))]
+    assert "16.5 days" in out and len(shown) > 10
+    missing = [line for line in shown if line not in readme and not line.startswith("    - ")]  # warning list
+    assert not missing, missing
+
+
+def test_report_compares_calibration_and_plan_with_the_run(tmp_path):
+    cal = _calibration()
+    plan = {"generation": {"expected_output_tokens": 1000, "job_hours": 0.5}, "extract_tokens": 2000,
+            "hidden_bytes": 4000, "extract_tok_s": 100, "extract_gpu_hours": 0.01}
+    for name, obj in (("plan.json", plan), ("cal.json", cal),
+                      ("a.summary.json", {"samples": 2, "ok": 2, "completion_tokens": 1100, "finish_reason_length": 1,
+                                          "calibration": {"live_output_tok_s": 900.0}}),
+                      ("a.stats.json", {"tokens": 2200, "seconds": 20, "stored_bytes": 4400})):
+        (tmp_path / name).write_text(json.dumps(obj))
+    rows = plan_vs_actual(str(tmp_path / "plan.json"), str(tmp_path / "cal.json"), [str(tmp_path / "a.summary.json")],
+                          [str(tmp_path / "a.stats.json")], None)
+    by = {(r[0], r[1]): r[2:] for r in rows}
+    assert by[("generation", "output tok/s per job (start-up excluded)")] == [1000.0, 900.0, 0.9]
+    assert by[("generation", "output tokens (whole corpus)")] == [1000, 1100, 1.1]
+    assert by[("generation", "finish_reason=length rate")] == [0.2, 0.5, 2.5]
+    assert by[("extraction", "tokens")] == [2000, 2200, 1.1] and by[("extraction", "tok/s")] == [100, 110.0, 1.1]
+    run_cli("report-figures", "--generation", tmp_path / "a.summary.json", "--extraction", tmp_path / "a.stats.json",
+            "--plan", tmp_path / "plan.json", "--calibration", tmp_path / "cal.json", "--out-dir", tmp_path / "report")
+    page = (tmp_path / "report" / "summary.html").read_text()
+    assert "Calibration and plan vs actual" in page and "<td>output tok/s per job (start-up excluded)</td>" in page
+    assert "Generation calibration" in page

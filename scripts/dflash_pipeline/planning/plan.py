@@ -110,6 +110,24 @@ def expected_extract_tokens(prompt_lengths: list[int], output_lengths: list[int]
     return total / max(len(output_lengths), 1)
 
 
+def _generation_part(tok: dict, n: float, generate: dict, max_len: int, scale: float, calibration: dict | None,
+                     jobs: int, cost: dict | None) -> dict:
+    """Generation's numbers: the max_new_tokens bound, and with a calibration the projection and the
+    extraction tokens from the measured answer lengths."""
+    max_new = int(generate.get("max_new_tokens", 2048))
+    # regenerated samples: each prompt plus at most max_new new tokens, cut at max_length (upper bound)
+    bound = sum(min(max_len, p + max_new) for p in tok["prompt_lengths"]) * scale
+    part = {"generate_response_tokens_max": n * max_new, "extract_tokens": bound}
+    if calibration:
+        run_shape = RunShape(samples=n, jobs=max(1, jobs), parallel_jobs=int(generate.get("parallel_jobs") or 1),
+                             gpus_per_job=int(generate.get("gpus") or 0), max_new_tokens=max_new,
+                             gpu_hour_usd=(cost or {}).get("gpu_hour_usd"))
+        lengths = calibration["output_tokens"].get("per_sample_all") or [calibration["output_tokens"]["mean"]]
+        part.update({"generation": project_generation(calibration, run_shape), "extract_tokens_bound": bound,
+                     "extract_tokens": expected_extract_tokens(tok["prompt_lengths"], lengths, max_len) * scale})
+    return part
+
+
 def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: dict, extract: dict,
               train: dict | None = None, measured_run: dict | None = None, scale: float = 1.0,
               gpu_tok_s: float | None = None, calibration: dict | None = None, jobs: int = 1,
@@ -123,19 +141,7 @@ def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: di
     plan = {"samples": n, "source_tokens": tok["tokens"] * scale, "prompt_tokens": prompt,
             "source_response_tokens": response_src}
     if generate.get("enabled"):
-        max_new = int(generate.get("max_new_tokens", 2048))
-        plan["generate_response_tokens_max"] = n * max_new
-        # regenerated samples: each prompt plus at most max_new new tokens, cut at max_length (upper bound)
-        plan["extract_tokens"] = sum(min(max_len, p + max_new) for p in tok["prompt_lengths"]) * scale
-        if calibration:
-            run_shape = RunShape(samples=n, jobs=max(1, jobs),
-                                 parallel_jobs=int(generate.get("parallel_jobs") or 1),
-                                 gpus_per_job=int(generate.get("gpus") or 0), max_new_tokens=max_new,
-                                 gpu_hour_usd=(cost or {}).get("gpu_hour_usd"))
-            plan["generation"] = project_generation(calibration, run_shape)
-            lengths = calibration["output_tokens"].get("per_sample_all") or [calibration["output_tokens"]["mean"]]
-            plan["extract_tokens_bound"] = plan["extract_tokens"]
-            plan["extract_tokens"] = expected_extract_tokens(tok["prompt_lengths"], lengths, max_len) * scale
+        plan.update(_generation_part(tok, n, generate, max_len, scale, calibration, jobs, cost))
     else:
         plan["extract_tokens"] = sum(min(max_len, L) for L in tok["lengths"]) * scale
     codec = extract.get("codec", "zstd")
