@@ -307,6 +307,7 @@ def write_outputs(run: TrainingRun, metrics_path, wall: float, start_step: int) 
 def _run(args) -> int:
     if args.labels == "target" and args.mode != "online":
         raise PipelineError("--labels target needs --mode online (the target's predictions are not in the shards)")
+    # setup: shapes from the target, data, drafter, optimizer; resume from this run's newest valid checkpoint
     run = setup_run(args)
     fp = run_fingerprint(args, run.dcfg, run.total_steps, run.steps.global_batch, run.source)
     store = CheckpointStore(args.checkpoint_dir, fp, args.keep_checkpoints, run.dist, args.checkpoint_mirror)
@@ -334,6 +335,7 @@ def _run(args) -> int:
         # checkpoint: a killed run resumes here with exactly this state
         if done % args.checkpoint_every == 0 or done == run.total_steps:
             store.save(done, run.drafter, run.opt, run.sched, run.device)
+    # outputs: the last checkpoint is on S3 (if mirrored), then rank 0 writes the drafter directory
     store.finish()
     if run.dist.main:
         write_outputs(run, store.metrics_path, time.perf_counter() - t_start, start_step)
