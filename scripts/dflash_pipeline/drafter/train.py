@@ -147,7 +147,7 @@ def _drafter_config(args, dev: torch.device):
     tcfg = read_config(args.model)
     n_target = int(text_config(tcfg)["num_hidden_layers"])
     if args.target_layer_ids:
-        layer_ids = validate_target_layer_ids([int(x) for x in str(args.target_layer_ids).split(",")], n_target)
+        layer_ids = validate_target_layer_ids(str(args.target_layer_ids).split(","), n_target)
     else:
         layer_ids = default_target_layer_ids(n_target, args.num_layers)
     head = load_target_head(args.model, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).to(dev)
