@@ -34,6 +34,13 @@ def test_27b_scale_says_tens_of_terabytes_and_names_alternatives():
     for alternative in ("fewer samples", "max_length", "fp8", "online training"):
         assert alternative in text
     assert "GPU-hours" in text
+    # training: the H200 drafter measurement scaled by hidden^2 (5 layers as measured); online adds the forward
+    offline = 20_308 * (4096 / 5120) ** 2
+    assert abs(plan["train_tok_s"] - offline) < 1e-6 and plan["train_mode"] == "offline"
+    assert abs(plan["train_gpu_hours"] - 1.6e9 * 6 / offline / 3600) < 1e-6
+    online = make_plan(_tok(1000, 2000, 1200), SHAPE_27B, IDS_27B, generate={"enabled": False},
+                       tokenize={"max_length": 3072}, extract={"codec": "zstd"}, train={"mode": "online"}, scale=800)
+    assert abs(1 / online["train_tok_s"] - (1 / offline + 1 / online["extract_tok_s"])) < 1e-12
 
 
 def test_generation_bounds_extract_tokens_and_demo_has_no_warning():
@@ -115,7 +122,8 @@ def test_readme_example_is_what_the_code_prints(repo_root):
     out = subprocess.run([sys.executable, str(repo_root / "benchmarks/plan_example_27b.py")], capture_output=True,
                          text=True, check=True).stdout
     readme = (repo_root / "README.md").read_text()
-    shown = [line for line in out.splitlines() if line.startswith(("  generate", "    ", "GENERATION GATE"))]
+    prefixes = ("  generate", "    ", "  extract", "  train", "GENERATION GATE")
+    shown = [line for line in out.splitlines() if line.startswith(prefixes)]
     assert "16.5 days" in out and len(shown) > 10
     missing = [line for line in shown if line not in readme and not line.startswith("    - ")]  # warning list
     assert not missing, missing

@@ -34,6 +34,11 @@ from dflash_pipeline.target_layers import resolve_target_layer_ids
 REFERENCE_TOK_S = 28_700
 REFERENCE_PARAMS = 7.57e9
 REFERENCE_GPU = "H200"
+# measured by benchmarks/train_throughput.py on one H200 (see README, training): a Qwen3-8B-shaped drafter
+# (5 layers, hidden 4096), 3072-token sequences, flex attention, compiled, offline features
+REFERENCE_TRAIN_TOK_S = 20_308
+REFERENCE_TRAIN_HIDDEN = 4096
+REFERENCE_TRAIN_LAYERS = 5
 DEFAULT_RATIO = {"zstd": 0.69, "raw": 1.0, "fp8": 0.41}
 TB = 1e12
 
@@ -128,6 +133,22 @@ def _generation_part(tok: dict, n: float, generate: dict, max_len: int, scale: f
     return part
 
 
+def _training_part(plan: dict, shape: dict, layer_ids, train: dict, usd: float | None) -> dict:
+    """Training tokens and GPU-hours: the drafter's step scaled from the H200 measurement by its size (hidden^2 x
+    layers); online training adds the target's forward at the plan's extraction rate (on the 8B reference
+    this composition gives 11.9K tok/s against 12.0K measured)."""
+    epochs = int(train.get("epochs", 6))
+    layers = max(1, len(layer_ids))
+    tok_s = REFERENCE_TRAIN_TOK_S * (REFERENCE_TRAIN_HIDDEN / shape["hidden_size"]) ** 2 * REFERENCE_TRAIN_LAYERS / layers
+    online = train.get("mode") == "online"
+    if online:
+        tok_s = 1 / (1 / tok_s + 1 / plan["extract_tok_s"])
+    hours = plan["extract_tokens"] * epochs / tok_s / 3600
+    return {"train_tokens": plan["extract_tokens"] * epochs, "train_epochs": epochs, "train_tok_s": tok_s,
+            "train_mode": "online" if online else "offline", "train_gpu_hours": hours,
+            "train_cost_usd": hours * usd if usd else None}
+
+
 def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: dict, extract: dict,
               train: dict | None = None, measured_run: dict | None = None, scale: float = 1.0,
               gpu_tok_s: float | None = None, calibration: dict | None = None, jobs: int = 1,
@@ -164,9 +185,7 @@ def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: di
     usd = (cost or {}).get("gpu_hour_usd")
     plan["gpu_hour_usd"] = usd
     plan["extract_cost_usd"] = plan["extract_gpu_hours"] * usd if usd else None
-    epochs = int((train or {}).get("epochs", 6))
-    plan["train_tokens"] = plan["extract_tokens"] * epochs
-    plan["train_epochs"] = epochs
+    plan.update(_training_part(plan, shape, layer_ids, train or {}, usd))
     return plan
 
 
@@ -186,7 +205,7 @@ def render(plan: dict, shape: dict, layer_ids, disk_warn_bytes: float = 1 * TB) 
         lines.append(f"  generate: {f(plan['samples'])} prompts, {f(plan['prompt_tokens'])} prompt tokens, "
                      f"at most {f(plan['generate_response_tokens_max'])} response tokens (no calibration: "
                      "not a projection)")
-    how = "expected (measured answer lengths)" if "extract_tokens_bound" in plan else "at most"
+    how = "expected (the calibration's answer lengths)" if "extract_tokens_bound" in plan else "at most"
     cost = f", ${plan['extract_cost_usd']:,.0f}" if plan.get("extract_cost_usd") is not None else ""
     lines += [
         f"  extract: {how} {f(plan['extract_tokens'])} tokens x {len(layer_ids)} layers x {shape['hidden_size']} "
@@ -194,8 +213,12 @@ def render(plan: dict, shape: dict, layer_ids, disk_warn_bytes: float = 1 * TB) 
         f"(x{plan['ratio']:.2f}): {human_bytes(plan['hidden_bytes'])}",
         f"  extract GPU time: {plan['extract_gpu_hours']:.2f} GPU-hours{cost} at {plan['extract_tok_s']:,.0f} tok/s "
         f"({plan['extract_tok_s_source']})",
-        f"  train: {f(plan['train_tokens'])} tokens over {plan['train_epochs']} epochs (GPU time not projected: "
-        "no measured training rate)",
+        f"  train ({plan['train_mode']}): {f(plan['train_tokens'])} tokens over {plan['train_epochs']} epochs: "
+        f"{plan['train_gpu_hours']:,.2f} GPU-hours"
+        + (f", ${plan['train_cost_usd']:,.0f}" if plan.get("train_cost_usd") is not None else "")
+        + f" at {plan['train_tok_s']:,.0f} tok/s (scaled by drafter size from {REFERENCE_TRAIN_TOK_S:,} tok/s measured "
+        f"on one {REFERENCE_GPU} for a Qwen3-8B-shaped drafter" + (", plus the target's forward)" if
+                                                                  plan["train_mode"] == "online" else ")"),
     ]
     if plan["hidden_bytes"] >= disk_warn_bytes:
         hb = plan["hidden_bytes"]

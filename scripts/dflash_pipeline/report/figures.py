@@ -253,7 +253,13 @@ def plan_vs_actual(plan_path: str | None, cal_path: str | None, summaries: list[
     plan = _read_json(plan_path) if plan_path and os.path.exists(plan_path) else {}
     cal = _read_json(cal_path) if cal_path and os.path.exists(cal_path) else {}
     rows = generation_vs_calibration(plan, cal, summaries, bench_dir) if cal else []
-    return rows + (extraction_vs_plan(plan, stats, bench_dir) if plan else [])
+    if plan:
+        rows += extraction_vs_plan(plan, stats, bench_dir)
+        actual = _job_hours(bench_dir, "train")
+        if plan.get("train_gpu_hours") is not None and actual is not None:
+            rows.append(["training", "job-hours (Snakemake benchmarks)", plan["train_gpu_hours"], actual,
+                         _ratio(actual, plan["train_gpu_hours"])])
+    return rows
 
 
 def calibration_summary(path: str | None) -> dict:
