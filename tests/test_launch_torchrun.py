@@ -82,3 +82,14 @@ def test_train_resources_one_and_many_nodes():
     assert train_resources(1, 8) == {"gpu": 8, "nodes": 1}
     # several nodes: a per-node GRES (not --gpus, a total), one launcher task per node, run in the batch step
     assert train_resources(4, 8) == {"nodes": 4, "gres": "gpu:8", "tasks": 4, "mpi": "srun"}
+
+
+def test_bad_counts_are_clear_errors():
+    import pytest
+
+    from dflash_pipeline.errors import PipelineError
+
+    with pytest.raises(PipelineError, match="nproc-per-node 'four'"):
+        build_command(CMD, nproc="four", env={})
+    with pytest.raises(PipelineError, match="nnodes '2x'"):
+        build_command(CMD, nnodes="2x", env={"SLURM_JOB_ID": "1"})

@@ -95,7 +95,8 @@ def _try_lock(lock_dir: str, gpu_id: str) -> int | None:
         os.close(fd)
         if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
             return None
-        raise
+        raise PipelineError(f"with-gpus: cannot lock {os.path.join(lock_dir, _lock_name(gpu_id))}: "
+                            f"{exc.strerror} (is the lock dir on a file system without flock?)") from exc
     # who holds it, for a human looking at the lock dir (the lock itself is the flock, not this text)
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())

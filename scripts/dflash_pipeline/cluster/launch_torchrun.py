@@ -131,13 +131,17 @@ def build_command(command: list[str], nproc: str = "auto", nnodes: str = "auto",
     env = _with_allocation(os.environ if env is None else env)
     python = python or sys.executable
     in_slurm = bool(env.get("SLURM_JOB_ID"))
-    if nnodes != "auto":
-        n_nodes = int(nnodes)
-    elif in_slurm:
-        n_nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
-    else:
-        n_nodes = 1
-    n_proc = int(nproc) if nproc != "auto" else _gpus_on_node(env)
+    try:
+        if nnodes != "auto":
+            n_nodes = int(nnodes)
+        elif in_slurm:
+            n_nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+        else:
+            n_nodes = 1
+        n_proc = int(nproc) if nproc != "auto" else _gpus_on_node(env)
+    except ValueError as exc:
+        raise PipelineError(f"launch-torchrun: nnodes {nnodes!r} / nproc-per-node {nproc!r}: expected a whole "
+                            f"number or auto ({exc})") from exc
     if n_nodes < 1 or n_proc < 1:
         raise PipelineError(f"launch-torchrun: nnodes={n_nodes} nproc-per-node={n_proc} must be >= 1")
     torchrun = [python, "-m", "torch.distributed.run"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_pipeline import storage, target
+from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.hidden_states.batching import Batch, copy_to_host, to_host_layout, token_budget_batches
 from dflash_pipeline.hidden_states.capture import LayerCapture
 from dflash_pipeline.hidden_states.host_pipeline import HostPipeline
@@ -74,10 +75,14 @@ def _content_fingerprint(sample_ids, input_ids, loss_mask) -> str:
 
 
 def read_token_shard(path: str) -> TokenShard:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with storage.open_binary(path) as fh:
-        table = pq.read_table(fh, columns=["sample_id", "input_ids", "loss_mask"])
+    try:
+        with storage.open_binary(path) as fh:
+            table = pq.read_table(fh, columns=["sample_id", "input_ids", "loss_mask"])
+    except (OSError, pa.ArrowException, KeyError) as exc:  # missing, unreadable, not parquet, columns missing
+        raise PipelineError(f"{path}: cannot read the token shard ({type(exc).__name__}: {exc})") from exc
     ids = table.column("sample_id").to_pylist()
     input_ids = [np.asarray(x, dtype=np.int32) for x in table.column("input_ids").to_pylist()]
     loss_mask = [np.asarray(x, dtype=np.uint8) for x in table.column("loss_mask").to_pylist()]
@@ -195,12 +200,12 @@ def extract_shard(tokens_path: str, model_path: str, out_path: str, settings: Ex
     settings = settings or ExtractSettings()
     t_start = time.perf_counter()
     device = target.resolve_device(settings.device)
+    tokens = read_token_shard(tokens_path)  # before loading the target: a bad input fails in seconds
     if model is None:
         model = target.load_model(model_path, device, settings.compute_dtype, attn_implementation=
                                   settings.attn_implementation, trust_remote_code=settings.trust_remote_code)
     capture, pad_multiple = _prepare_capture(model, settings, device)
     try:
-        tokens = read_token_shard(tokens_path)
         meta = _shard_metadata(model, model_path, tokens_path, tokens, capture.ids)
         writer = HiddenStateShardWriter(out_path, meta, codec=settings.codec, level=settings.level,
                                         dtype=settings.dtype, resume=True)
@@ -259,8 +264,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args) -> ExtractSettings:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ExtractSettings) if hasattr(args, f.name)}
     drafter = args.drafter_config
-    values["drafter_config"] = json.loads(drafter or "{}") if isinstance(drafter, str) else drafter
-    values["layer_ids"] = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    try:
+        values["drafter_config"] = json.loads(drafter or "{}") if isinstance(drafter, str) else drafter
+    except ValueError as exc:
+        raise PipelineError(f"extract --drafter-config: not JSON ({exc})") from exc
+    try:
+        values["layer_ids"] = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    except ValueError as exc:
+        raise PipelineError(f"extract --target-layer-ids {args.target_layer_ids!r}: expected integers "
+                            "separated by commas") from exc
     values["compile"] = {"true": True, "false": False}.get(args.compile, "auto")
     return ExtractSettings(**values)
 
