@@ -250,7 +250,8 @@ def run(args) -> int:
         raise PipelineError(f"calibration: {result['requests']['failed']} of {result['requests']['samples']} "
                             f"samples failed ({result['failure_reasons']}): fix the generation settings first")
     gpus = args.gpus_per_job
-    result["throughput"]["per_gpu_output_tok_s"] = round(result["throughput"]["output_tok_s"] / gpus, 2) if gpus else None
+    rate = result["throughput"]["output_tok_s"]
+    result["throughput"]["per_gpu_output_tok_s"] = round(rate / gpus, 2) if gpus else None
     result.update({"version": 1, "settings": settings_of(args), "corpus": corpus,
                    "max_new_tokens": args.max_new_tokens})
     storage.write_json(args.out[0], result)
@@ -269,7 +270,8 @@ def describe(cal: dict) -> str:
         f"  output rate: {th['output_tok_s']:,.1f} tok/s per job{per_gpu} - {th['basis']}",
         f"  window: {win['start']} to {win['end']} ({win['seconds']:.1f} s); warm-up {win['warmup_requests']} "
         f"requests ({win['warmup_s']:.1f} s) excluded; start-up {cal['startup_s']:.1f} s",
-        f"  output tokens per sample (thinking included): mean {out.get('mean', 0):,.0f}, p50 {out.get('p50', 0):,.0f}, "
+        f"  output tokens per sample (thinking included): mean {out.get('mean', 0):,.0f}, "
+        f"p50 {out.get('p50', 0):,.0f}, "
         f"p90 {out.get('p90', 0):,.0f}, max {out.get('max', 0):,.0f}; thinking "
         f"{cal['thinking']['share_of_output_chars']:.0%} of output characters",
         f"  latency: p50 {lat.get('p50', 0):.2f} s, p90 {lat.get('p90', 0):.2f} s, p99 {lat.get('p99', 0):.2f} s",

@@ -139,7 +139,8 @@ def _training_part(plan: dict, shape: dict, layer_ids, train: dict, usd: float |
     this composition gives 11.9K tok/s against 12.0K measured)."""
     epochs = int(train.get("epochs", 6))
     layers = max(1, len(layer_ids))
-    tok_s = REFERENCE_TRAIN_TOK_S * (REFERENCE_TRAIN_HIDDEN / shape["hidden_size"]) ** 2 * REFERENCE_TRAIN_LAYERS / layers
+    size = (REFERENCE_TRAIN_HIDDEN / shape["hidden_size"]) ** 2 * REFERENCE_TRAIN_LAYERS / layers
+    tok_s = REFERENCE_TRAIN_TOK_S * size
     online = train.get("mode") == "online"
     if online:
         tok_s = 1 / (1 / tok_s + 1 / plan["extract_tok_s"])
