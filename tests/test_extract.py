@@ -244,8 +244,16 @@ def test_bad_inputs_are_one_line_errors_before_the_target_loads(tmp_path, capsys
     pq.write_table(pa.table({"sample_id": ["a"], "text": ["x"]}), tmp_path / "chat.parquet")
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     base = ["extract", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "h.dfhs"), "--device", "cpu"]
+    schema = pa.schema([("sample_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.int8()))])
+    pq.write_table(pa.table({"sample_id": ["a", "b", "a"], "input_ids": [[1], [2], [3]], "loss_mask": [[1]] * 3},
+                            schema=schema), tmp_path / "twice.parquet")
+    pq.write_table(pa.table({"sample_id": ["a"], "input_ids": [[1, 2]], "loss_mask": [[1]]}, schema=schema),
+                   tmp_path / "ragged.parquet")
     for tokens, why in [("chat.parquet", "cannot read the token shard"), ("junk.parquet", "cannot read the token shard"),
-                        ("missing.parquet", "cannot read the token shard")]:
+                        ("missing.parquet", "cannot read the token shard"),
+                        ("twice.parquet", "sample 'a' appears twice (row 2)"),
+                        ("ragged.parquet", "sample 'a' has 2 input_ids but 1 loss_mask values")]:
         assert main([*base, "--tokens", str(tmp_path / tokens)]) == 2
         assert f"{tokens}: {why}" in capsys.readouterr().err
     _token_shard(tmp_path / "t.parquet", n=4)

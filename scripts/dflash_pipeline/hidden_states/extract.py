@@ -84,9 +84,23 @@ def read_token_shard(path: str) -> TokenShard:
     except (OSError, pa.ArrowException, KeyError) as exc:  # missing, unreadable, not parquet, columns missing
         raise PipelineError(f"{path}: cannot read the token shard ({type(exc).__name__}: {exc})") from exc
     ids = table.column("sample_id").to_pylist()
-    input_ids = [np.asarray(x, dtype=np.int32) for x in table.column("input_ids").to_pylist()]
-    loss_mask = [np.asarray(x, dtype=np.uint8) for x in table.column("loss_mask").to_pylist()]
+    input_ids = [np.asarray(x if x is not None else [], dtype=np.int32) for x in table.column("input_ids").to_pylist()]
+    loss_mask = [np.asarray(x if x is not None else [], dtype=np.uint8) for x in table.column("loss_mask").to_pylist()]
+    _check_token_rows(path, ids, input_ids, loss_mask)
     return TokenShard(ids, input_ids, loss_mask, _content_fingerprint(ids, input_ids, loss_mask))
+
+
+def _check_token_rows(path: str, ids: list, input_ids: list, loss_mask: list) -> None:
+    """What would otherwise fail only after the GPU work (or make a resume skip the wrong sample)."""
+    seen: set = set()
+    for row, (sid, tokens, mask) in enumerate(zip(ids, input_ids, loss_mask)):
+        if not isinstance(sid, str) or not sid:
+            raise PipelineError(f"{path}: row {row} has no sample_id")
+        if sid in seen:
+            raise PipelineError(f"{path}: sample {sid!r} appears twice (row {row})")
+        seen.add(sid)
+        if len(tokens) != len(mask):
+            raise PipelineError(f"{path}: sample {sid!r} has {len(tokens)} input_ids but {len(mask)} loss_mask values")
 
 
 # ------------------------------------------------------------------------------------------ phases
