@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 
 from conftest import run_cli
 from dflash_pipeline.data.conversations import SAMPLE_SCHEMA, sample_id
+from dflash_pipeline.generation.calibrate import Timed, rate_figures
 from dflash_pipeline.planning.calibration_sample import stratified
 from generation_helpers import SGLangTestServer, read_summary
 from workflow_runs import make_workdir, planned, snakemake
@@ -142,3 +143,42 @@ def test_workflow_gate_stops_before_generation_and_reruns_do_not_recalibrate(tmp
     (work / "hot.yaml").write_text("generate:\n  temperature: 0.5\n  hf:\n    batch_size: 8\n")
     changed_run = planned(snakemake(work, "-n", configfiles=(*configs, "hot.yaml")))
     assert changed_run.get("calibrate") == 1 and "calibration_sample" not in changed_run, changed_run
+
+
+def _simulate(lengths: list[int], workers: int, shared_rate: float | None = None, own_rate: float | None = None):
+    """Request timings of `workers` clients pulling `lengths` from a queue, against a server that either shares
+    `shared_rate` tok/s among the requests in flight or decodes each at `own_rate` (exact event simulation)."""
+    queue, now, active, done = list(lengths), 0.0, {}, []
+    for w in range(min(workers, len(queue))):
+        active[w] = [now, float(queue.pop(0)), 0]
+        active[w][2] = int(active[w][1])
+    while active:
+        speed = shared_rate / len(active) if shared_rate else own_rate
+        w = min(active, key=lambda k: active[k][1])
+        step = active[w][1] / speed
+        now += step
+        for k in active:
+            active[k][1] -= step * speed
+        start, _, tokens = active.pop(w)
+        done.append(Timed(start, now, {"completion_tokens": tokens}))
+        if queue:
+            active[w] = [now, float(queue[0]), queue.pop(0)]
+    return done
+
+
+def test_steady_state_rate_is_exact_for_shared_and_per_request_servers():
+    rng = random.Random(5)
+    lengths = [int(rng.lognormvariate(5, 1)) + 1 for _ in range(256)]
+    shared = rate_figures(_simulate(lengths, 32, shared_rate=3000.0), 32)
+    assert shared["steady_state"] and abs(shared["output_tok_s"] - 3000) < 0.005 * 3000
+    own = rate_figures(_simulate(lengths, 32, own_rate=50.0), 32)  # 32 slots x 50 tok/s
+    assert own["steady_state"] and abs(own["output_tok_s"] - 1600) < 0.01 * 1600
+    assert own["output_tok_s_whole_window"] < 0.9 * 1600  # the drain at the end: why the whole window is not used
+    # one round of 256 against 256 slots (the default config): the first 10% of answers still measure it
+    full_round = rate_figures(_simulate(lengths, 256, own_rate=50.0), 256)
+    assert full_round["steady_state"] and abs(full_round["output_tok_s"] - 12_800) < 0.05 * 12_800
+    assert full_round["output_tok_s_whole_window"] < 0.1 * 12_800
+    # a round of 32: too few requests run with the slots busy: a stated lower bound
+    one_round = rate_figures(_simulate(lengths[:32], 32, own_rate=50.0), 32)
+    assert not one_round["steady_state"] and "lower bound" in one_round["basis"]
+    assert one_round["output_tok_s"] < 1600

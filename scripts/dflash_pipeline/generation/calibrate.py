@@ -10,8 +10,8 @@ are not measured. Writes one JSON (`--out`) that the plan projects the whole cor
 The rate a long run sees is the steady state: every request slot busy, from start-up to its last requests.
 A calibration sample ends with a drain (fewer and fewer requests in flight), so its whole-window rate is low.
 The figure used is Little's law over the saturated stretch (>= 90% of the workers in flight): mean requests
-in flight x (output tokens / seconds of request life) of the requests that lived entirely inside it; it is
-exact whether a server shares a fixed rate among its requests or gives each its own. When too few requests
+in flight x (output tokens / seconds of request life) of the requests that lived entirely inside it; in
+simulations it is within 0.1% whether a server shares one rate among its requests or gives each its own. When too few requests
 ran inside it (a sample not much larger than the slots; the hf backend's whole-batch answers), the
 whole-window rate is used and called a lower bound.
 """
