@@ -11,6 +11,8 @@ rule audit:
         html=report(os.path.join(R, "audit/{dataset}/report.html"), category="Audit", labels={"dataset": "{dataset}"}),
     log:
         log("audit/{dataset}"),
+    benchmark:
+        bench("audit/{dataset}")
     conda:
         ENV_CPU
     params:

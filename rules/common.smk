@@ -168,6 +168,20 @@ def shard_entry(wildcards):
     return manifest()["_by_shard"][wildcards.shard]
 
 
+# ingest.shards_per_job > 1: shard and tokenize jobs take K consecutive shards of one file (a job group)
+SHARDS_PER_JOB = config["ingest"]["shards_per_job"]
+
+
+def shard_group_of(shard):
+    src, k = shard.rsplit("-", 1)
+    return f"{src}-j{int(k) // SHARDS_PER_JOB:05d}"
+
+
+def shard_group_members(shardgroup):
+    src = shardgroup.rsplit("-", 1)[0]
+    return [s["shard"] for s in manifest()["shards"] if s["src"] == src and shard_group_of(s["shard"]) == shardgroup]
+
+
 def shard_conversations(wildcards):
     """A shard's conversations: the ingested shard (source) or the target's completions (regenerated)."""
     if wildcards.dataset == "source":

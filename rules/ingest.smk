@@ -31,6 +31,8 @@ checkpoint manifest:
         manifest=os.path.join(R, "ingest/manifest.json"),
     log:
         log("manifest"),
+    benchmark:
+        bench("manifest")
     conda:
         ENV_CPU
     params:
@@ -40,17 +42,59 @@ checkpoint manifest:
         "--out {output.manifest:q} > {log:q} 2>&1"
 
 
-rule shard:
-    input:
-        records=lambda wc: os.path.join(R, f"ingest/files/{shard_entry(wc)['src']}.parquet"),
-    output:
-        os.path.join(R, "ingest/shards/{shard}.parquet"),
-    log:
-        log("shard/{shard}"),
-    conda:
-        ENV_CPU
-    params:
-        # only this shard's slice of the manifest is a parameter: another file's change does not touch it
-        spec=lambda wc: json.dumps(shard_entry(wc), sort_keys=True),
-    shell:
-        "dflash-pipeline shard --records {input.records:q} --spec {params.spec:q} --out {output:q} > {log:q} 2>&1"
+# Writing a shard is cheap; starting a Python process for it is not (about a second). With
+# ingest.shards_per_job = K > 1 one job writes K consecutive shards of a file (a "job group" directory) and a
+# shell-only rule links each shard out, so thousands of shards cost a few hundred process start-ups.
+if SHARDS_PER_JOB == 1:
+
+    rule shard:
+        input:
+            records=lambda wc: os.path.join(R, f"ingest/files/{shard_entry(wc)['src']}.parquet"),
+        output:
+            os.path.join(R, "ingest/shards/{shard}.parquet"),
+        log:
+            log("shard/{shard}"),
+        benchmark:
+            bench("shard/{shard}")
+        conda:
+            ENV_CPU
+        params:
+            # only this shard's slice of the manifest is a parameter: another file's change does not touch it
+            spec=lambda wc: json.dumps(shard_entry(wc), sort_keys=True),
+        shell:
+            "dflash-pipeline shard --records {input.records:q} --spec {params.spec:q} --out {output:q} > {log:q} 2>&1"
+
+else:
+
+    rule shard_group:
+        input:
+            records=lambda wc: os.path.join(R, f"ingest/files/{wc.shardgroup.rsplit('-', 1)[0]}.parquet"),
+        output:
+            directory(os.path.join(R, "ingest/shards/groups/{shardgroup}")),
+        log:
+            log("shard/{shardgroup}"),
+        benchmark:
+            bench("shard/{shardgroup}")
+        wildcard_constraints:
+            shardgroup=r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*?-j\d{5}",
+        conda:
+            ENV_CPU
+        params:
+            specs=lambda wc: json.dumps(
+                [manifest()["_by_shard"][s] for s in shard_group_members(wc.shardgroup)], sort_keys=True
+            ),
+        shell:
+            "dflash-pipeline shard --records {input.records:q} --specs {params.specs:q} --out-dir {output:q} > {log:q} 2>&1"
+
+    rule shard_from_group:
+        input:
+            lambda wc: os.path.join(R, f"ingest/shards/groups/{shard_group_of(wc.shard)}"),
+        output:
+            os.path.join(R, "ingest/shards/{shard}.parquet"),
+        log:
+            log("shard/{shard}"),
+        conda:
+            ENV_CPU
+        shell:
+            # a hard link when the file system allows it: no bytes copied
+            "(ln -f {input:q}/{wildcards.shard}.parquet {output:q} || cp {input:q}/{wildcards.shard}.parquet {output:q}) > {log:q} 2>&1"

@@ -289,3 +289,16 @@ def test_manifest_dedup_accounting_and_shards(tmp_path):
         seen += pq.read_table(out).column("sample_id").to_pylist()
     assert len(seen) == len(set(seen)) == 12
     assert any(e["first_file"] == str(a) and e["file"] == str(b) for e in m["duplicate_examples"])
+
+
+def test_array_scanner_across_read_boundaries_with_escapes(tmp_path):
+    """Strings full of escaped quotes and backslashes, brackets inside strings, records crossing 1 MiB reads."""
+    tricky = 'a "quoted" \\ back\\slash ] } [ { \\" \\\\" 中文 '
+    records = [conv(i, tricky * (1 + (i * 7919) % 900)) for i in range(400)]
+    data = json.dumps(records, ensure_ascii=False).encode()
+    assert len(data) > 3 << 20
+    path = tmp_path / "esc.json"
+    path.write_bytes(data)
+    stats, rows, quarantine = ingest(path, tmp_path)
+    assert stats["kept"] == 400 and not quarantine
+    assert [r["messages"][1]["content"] for r in rows] == [r["conversations"][1]["value"] for r in records]

@@ -109,6 +109,14 @@ class ChatMasker:
                 continue
             prompt = self._render(messages[:i], True)
             start = _common_prefix_len(prompt, text)
+            content = m.get("content") or ""
+            cut = text.find(self.closing, start) if self.closing and content else -1
+            if cut >= 0 and text.endswith(content, start, cut):
+                # the content sits verbatim right before the turn's closing text: that is where the altered
+                # rendering below would find its end, without rendering again (the closing text is a control
+                # token, which message text may not contain, so its first occurrence ends this turn)
+                spans.append((start, cut + len(self.closing)))
+                continue
             altered = list(messages)
             altered[i] = {**m, "content": (m.get("content") or "") + SENTINEL}
             alt = self._render(altered, False)

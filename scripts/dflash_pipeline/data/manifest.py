@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_pipeline.data.conversations import SAMPLE_SCHEMA
+from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.storage import atomic_path, read_json, write_json
 
 DUPLICATE_EXAMPLES = 200
@@ -149,11 +151,20 @@ def run_manifest(args) -> int:
 
 def add_shard_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--records", required=True)
-    p.add_argument("--spec", required=True, help="the shard's manifest entry (JSON)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--spec", help="one shard's manifest entry (JSON)")
+    p.add_argument("--out", help="the shard (with --spec)")
+    p.add_argument("--specs", help="several shards' manifest entries of one file (JSON list), with --out-dir")
+    p.add_argument("--out-dir", help="write SHARD.parquet for each of --specs here")
 
 
 def run_shard(args) -> int:
-    n = write_shard(args.records, json.loads(args.spec), args.out)
-    print(f"{args.out}: {n} samples")
+    if args.specs and args.out_dir:
+        jobs = [(spec, os.path.join(args.out_dir, f"{spec['shard']}.parquet")) for spec in json.loads(args.specs)]
+        os.makedirs(args.out_dir, exist_ok=True)
+    elif args.spec and args.out:
+        jobs = [(json.loads(args.spec), args.out)]
+    else:
+        raise PipelineError("shard: give --spec and --out, or --specs and --out-dir")
+    for spec, out in jobs:
+        print(f"{out}: {write_shard(args.records, spec, out)} samples")
     return 0

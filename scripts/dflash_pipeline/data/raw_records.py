@@ -23,8 +23,12 @@ from dflash_pipeline.storage import open_binary
 CHUNK = 1 << 20
 RAW_TEXT_LIMIT = 100_000  # characters of a rejected record kept for the quarantine file
 
-_TOKEN = re.compile(rb'[\[\]{}"]')  # what changes nesting or starts a string
+# everything up to the next bracket, whole strings included (so brackets inside strings do not count); it
+# stops at a bracket, at the opening quote of a string that does not end in the buffer, or at the end
+_SKIP = re.compile(rb'(?:[^"\[\]{}]+|"[^"\\]*(?:\\.[^"\\]*)*")*', re.S)
 _STRING_BODY = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.S)  # up to the closing quote (or the buffer's end)
+_QUOTE, _END, _COMMA_CHAR = ord('"'), ord("]"), ord(",")
+_COMMA = re.compile(rb"[ \t\r\n]*,[ \t\r\n]*")
 _SPACE = re.compile(rb"[ \t\r\n]*")
 _SCALAR = re.compile(rb"[^,\]\s]*")
 _CLOSER = {ord("["): ord("]"), ord("{"): ord("}")}
@@ -258,25 +262,25 @@ class _ArrayReader:
         index, expect_comma = 0, False
         try:
             while True:
+                if expect_comma and (m := _COMMA.match(self.buf, self.pos)) is not None:
+                    self.pos, expect_comma = m.end(), False  # the usual case: `,` and the next record
                 self._skip_space()
                 self.at = self.base + self.pos
                 if self.pos >= len(self.buf):
                     raise _Incomplete("file ends inside the JSON array (no closing ']')")
                 ch = self.buf[self.pos]
-                if ch == ord("]"):
+                if ch == _END:
                     return self._check_tail()
-                if expect_comma or ch == ord(","):
-                    if ch != ord(",") or not expect_comma:
+                if expect_comma or ch == _COMMA_CHAR:
+                    if ch != _COMMA_CHAR or not expect_comma:
                         raise _Mismatch(f"expected a record, ',' or ']', found {chr(ch)!r}")
                     self.pos, expect_comma = self.pos + 1, False
                     continue
-                if ch not in _CLOSER and ch != ord('"') and ch not in _SCALAR_START:
+                if ch not in _CLOSER and ch != _QUOTE and ch not in _SCALAR_START:
                     raise _Mismatch(f"invalid JSON: unexpected {chr(ch)!r} where a record starts")
                 yield self._record(index)
                 index, expect_comma = index + 1, True
-        except _Incomplete as exc:
-            self.result.damage = Damage(self.at, str(exc))
-        except _Mismatch as exc:
+        except (_Incomplete, _Mismatch) as exc:
             self.result.damage = Damage(self.at, str(exc))
 
     def _skip_space(self) -> None:
@@ -306,31 +310,35 @@ class _ArrayReader:
         """(start, end) in buf of the value at `start` (start < 0 once an over-limit value's head is dropped)."""
         if self.buf[start] in _SCALAR_START:
             return self._scalar_end(start)
-        stack, in_string, scan = bytearray(), False, start
+        # one regex call per bracket: strings are skipped inside the regex engine
+        stack, in_string, scan = [], self.buf[start] == _QUOTE, start + (self.buf[start] == _QUOTE)
         while True:
-            if in_string:
-                end = _STRING_BODY.match(self.buf, scan).end()
-                scan = end
-                if end < len(self.buf) and self.buf[end] == ord('"'):
-                    in_string, scan = False, end + 1
+            buf = self.buf
+            if in_string:  # inside a string that did not end in the buffer (or a top-level string)
+                scan = _STRING_BODY.match(buf, scan).end()
+                in_string = scan >= len(buf) or buf[scan] != _QUOTE  # else: it stopped at a final backslash
+                if not in_string:
+                    scan += 1
                     if not stack:
                         return start, scan
                     continue
             else:
-                m = _TOKEN.search(self.buf, scan)
-                if m is not None:
-                    c, scan = self.buf[m.start()], m.end()
-                    if c == ord('"'):
+                scan = _SKIP.match(buf, scan).end()
+                if scan < len(buf):
+                    c = buf[scan]
+                    scan += 1
+                    if c == _QUOTE:
                         in_string = True
-                    elif c in _CLOSER:
+                        continue
+                    if c in _CLOSER:
                         stack.append(_CLOSER[c])
-                    elif stack.pop() != c:
-                        self.at = self.base + m.start()
+                        continue
+                    if not stack or stack.pop() != c:
+                        self.at = self.base + scan - 1
                         raise _Mismatch(f"invalid JSON: unmatched {chr(c)!r} inside a record")
-                    elif not stack:
+                    if not stack:
                         return start, scan
                     continue
-                scan = len(self.buf)
             # need more data: keep the element's bytes unless it is over the limit already
             shift = self._more(scan if scan - start > self.limit else start)
             start, scan = start - shift, scan - shift

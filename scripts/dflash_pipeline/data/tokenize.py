@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.data.audit_stats import Histogram, answer_hash, answer_key
+from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.storage import atomic_path, write_json
 from dflash_pipeline.target import load_tokenizer
 
@@ -57,11 +58,14 @@ def control_token_pattern(tokenizer) -> re.Pattern | None:
     return re.compile("|".join(map(re.escape, tokens))) if tokens else None
 
 
-def forged_turn(messages: list[dict], pattern: re.Pattern | None) -> str | None:
-    """The reason a conversation's text would be encoded with control tokens, or None."""
+def forged_turn(messages: list[dict], pattern: re.Pattern | None, trusted_roles: frozenset = frozenset()) -> str | None:
+    """The reason a conversation's text would be encoded with control tokens, or None. Turns of `trusted_roles`
+    are not checked: in completions the assistant turns are the target's own output, special tokens included."""
     if pattern is None:
         return None
     for i, m in enumerate(messages):
+        if m["role"] in trusted_roles:
+            continue
         for field in ("content", "reasoning_content"):
             hit = pattern.search(m.get(field) or "")
             if hit:
@@ -149,11 +153,11 @@ def successful_rows(table: pa.Table) -> tuple[pa.Table, Counter]:
 
 
 def _encode_batch(masker, ids: list[str], conversations: list[list[dict]], audit: ShardAudit,
-                  pattern) -> pa.Table | None:
+                  pattern, trusted_roles: frozenset = frozenset()) -> pa.Table | None:
     """One batch of conversations -> token rows; samples with forged control tokens are left out."""
     keep = []
     for sid, messages in zip(ids, conversations):
-        reason = forged_turn(messages, pattern)
+        reason = forged_turn(messages, pattern, trusted_roles)
         if reason:
             audit.reject(sid, reason)
         else:
@@ -170,43 +174,67 @@ def _encode_batch(masker, ids: list[str], conversations: list[list[dict]], audit
     return pa.Table.from_pydict(cols, schema=TOKENS_SCHEMA)
 
 
+class ShardTokenizer:
+    """The target's tokenizer, chat masker and control-token check, loaded once for any number of shards
+    (loading a 248K-token vocabulary costs seconds: a job that takes several shards pays it once)."""
+
+    def __init__(self, model_dir: str, max_length: int, enable_thinking: bool = True, batch_size: int = 256,
+                 trivial_tokens: int = 6, trust_remote_code: bool = False):
+        from dflash_pipeline.data.chat_masking import ChatMasker
+
+        t0 = time.perf_counter()
+        tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
+        self.masker = ChatMasker(tokenizer, enable_thinking=enable_thinking, max_length=max_length)
+        self.pattern = control_token_pattern(tokenizer)
+        self.batch_size, self.trivial_tokens = batch_size, trivial_tokens
+        self.settings = {"max_length": max_length, "enable_thinking": enable_thinking, "trivial_tokens": trivial_tokens,
+                         "model": model_dir, "closing": self.masker.closing}
+        self.load_seconds = time.perf_counter() - t0
+
+    def shard(self, input_path: str, out_tokens: str, out_audit: str) -> dict:
+        t0 = time.perf_counter()
+        raw = pq.read_table(input_path)
+        # completions: the assistant turns were written by the target itself, not by a user who could forge turns
+        trusted = frozenset({"assistant"}) if "status" in raw.column_names else frozenset()
+        table, failed = successful_rows(raw)
+        audit = ShardAudit(self.trivial_tokens)
+        ids, parts = table.column("sample_id").to_pylist(), []
+        for lo in range(0, table.num_rows, self.batch_size):
+            conversations = table.column("messages").slice(lo, self.batch_size).to_pylist()
+            part = _encode_batch(self.masker, ids[lo:lo + self.batch_size], conversations, audit, self.pattern,
+                                 trusted)
+            if part is not None:
+                parts.append(part)
+        tokens = pa.concat_tables(parts) if parts else TOKENS_SCHEMA.empty_table()
+        with atomic_path(out_tokens) as tmp:
+            pq.write_table(tokens, tmp, compression="zstd")
+        summary = {"input": os.path.basename(input_path), **audit.to_json(),
+                   "generation_failed": sum(failed.values()), "generation_failure_reasons": dict(failed.most_common()),
+                   "settings": self.settings, "seconds": round(time.perf_counter() - t0, 3),
+                   "tokenizer_load_seconds": round(self.load_seconds, 3)}
+        write_json(out_audit, summary, indent=None)
+        log.info("%s: %d samples, %d tokens (%d supervised) in %.2fs", input_path, summary["samples"],
+                 summary["tokens"], summary["loss_tokens"], summary["seconds"])
+        return summary
+
+
 def tokenize_shard(input_path: str, model_dir: str, out_tokens: str, out_audit: str, max_length: int,
                    enable_thinking: bool = True, batch_size: int = 256, trivial_tokens: int = 6,
                    trust_remote_code: bool = False) -> dict:
-    from dflash_pipeline.data.chat_masking import ChatMasker
+    return ShardTokenizer(model_dir, max_length, enable_thinking, batch_size, trivial_tokens,
+                          trust_remote_code).shard(input_path, out_tokens, out_audit)
 
-    t0 = time.perf_counter()
-    table, failed = successful_rows(pq.read_table(input_path))
-    tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
-    masker = ChatMasker(tokenizer, enable_thinking=enable_thinking, max_length=max_length)
-    pattern = control_token_pattern(tokenizer)
-    audit = ShardAudit(trivial_tokens)
-    ids = table.column("sample_id").to_pylist()
-    parts = []
-    for lo in range(0, table.num_rows, batch_size):
-        conversations = table.column("messages").slice(lo, batch_size).to_pylist()
-        part = _encode_batch(masker, ids[lo:lo + batch_size], conversations, audit, pattern)
-        if part is not None:
-            parts.append(part)
-    tokens = pa.concat_tables(parts) if parts else TOKENS_SCHEMA.empty_table()
-    with atomic_path(out_tokens) as tmp:
-        pq.write_table(tokens, tmp, compression="zstd")
-    summary = {"input": os.path.basename(input_path), **audit.to_json(),
-               "generation_failed": sum(failed.values()), "generation_failure_reasons": dict(failed.most_common()),
-               "settings": {"max_length": max_length, "enable_thinking": enable_thinking,
-                            "trivial_tokens": trivial_tokens, "model": model_dir, "closing": masker.closing},
-               "seconds": round(time.perf_counter() - t0, 3)}
-    write_json(out_audit, summary, indent=None)
-    log.info("%s: %d samples, %d tokens (%d supervised) in %.2fs", input_path, summary["samples"],
-             summary["tokens"], summary["loss_tokens"], summary["seconds"])
-    return summary
+
+def shard_name(path: str) -> str:
+    return os.path.basename(path).removesuffix(".parquet")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", required=True, help="ingested or completions shard (Parquet)")
+    p.add_argument("--input", nargs="+", required=True, help="ingested or completions shard(s) (Parquet)")
     p.add_argument("--model", required=True, help="target model directory (tokenizer + chat template)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--audit", required=True)
+    p.add_argument("--out", help="token shard (one --input)")
+    p.add_argument("--audit", help="the shard's audit (one --input)")
+    p.add_argument("--out-dir", help="several --input: write NAME.parquet and NAME.audit.json here")
     p.add_argument("--max-length", type=int, default=3072)
     p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--batch-size", type=int, default=256)
@@ -214,9 +242,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true")
 
 
+def _outputs(args) -> list[tuple[str, str, str]]:
+    if args.out_dir:
+        return [(i, os.path.join(args.out_dir, f"{shard_name(i)}.parquet"),
+                 os.path.join(args.out_dir, f"{shard_name(i)}.audit.json")) for i in args.input]
+    if len(args.input) != 1 or not args.out or not args.audit:
+        raise PipelineError("tokenize: give --out and --audit for one --input, or --out-dir for several")
+    return [(args.input[0], args.out, args.audit)]
+
+
 def run(args) -> int:
-    audit = tokenize_shard(args.input, args.model, args.out, args.audit, args.max_length, args.enable_thinking,
-                           args.batch_size, args.trivial_tokens, args.trust_remote_code)
-    print(json.dumps({k: audit[k] for k in ("samples", "tokens", "loss_tokens", "counts", "seconds")}))
+    jobs = _outputs(args)
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+    tok = ShardTokenizer(args.model, args.max_length, args.enable_thinking, args.batch_size, args.trivial_tokens,
+                         args.trust_remote_code)
+    for input_path, out, audit_path in jobs:
+        audit = tok.shard(input_path, out, audit_path)
+        print(json.dumps({"input": input_path, **{k: audit[k] for k in ("samples", "tokens", "loss_tokens", "seconds")}}))
     return 0
 
