@@ -182,3 +182,6 @@ def test_steady_state_rate_is_exact_for_shared_and_per_request_servers():
     one_round = rate_figures(_simulate(lengths[:32], 32, own_rate=50.0), 32)
     assert not one_round["steady_state"] and "lower bound" in one_round["basis"]
     assert one_round["output_tok_s"] < 1600
+    # fewer samples than the job's request slots: the servers ran less loaded than the run will keep them
+    partial = rate_figures(_simulate(lengths, 32, own_rate=50.0), 32, capacity=256)
+    assert not partial["steady_state"] and "only 32 of the job's 256 request slots" in partial["basis"]

@@ -107,7 +107,9 @@ def steady_rate(timed: list[Timed], workers: int) -> tuple[float | None, dict]:
     return (in_flight * sum(t.tokens for t in inside) / life if life > 0 else None), info
 
 
-def rate_figures(timed: list[Timed], workers: int) -> dict:
+def rate_figures(timed: list[Timed], workers: int, capacity: int | None = None) -> dict:
+    """The output rate and how it was measured; `capacity`: the request slots a generation job fills (a sample
+    smaller than that measures the servers less loaded than the run will keep them: a lower bound)."""
     t0, t1 = min(t.start for t in timed), max(t.end for t in timed)
     whole = max(t1 - t0, 1e-9)
     whole_rate = sum(t.tokens for t in timed) / whole
@@ -119,8 +121,13 @@ def rate_figures(timed: list[Timed], workers: int) -> dict:
              f"whole window ({whole:.1f} s) including the drain at its end: a lower bound for a long run (only "
              f"{info['steady_requests']} requests ran with the slots busy; a sample of several times the "
              f"{workers} request slots measures the steady state)")
+    full = capacity is None or workers >= capacity
+    if not full:
+        basis = (f"only {workers} of the job's {capacity} request slots were used (fewer samples than slots): a lower "
+                 f"bound; generate.calibrate.samples >= 2 x {capacity} measures a full engine. {basis}")
     return {
-        "output_tok_s": round(steady if steady else whole_rate, 2), "basis": basis, "steady_state": bool(steady),
+        "output_tok_s": round(steady if steady else whole_rate, 2), "basis": basis,
+        "steady_state": bool(steady) and full, "slots": capacity or workers,
         "output_tok_s_whole_window": round(whole_rate, 2),
         "output_tok_s_steady": round(steady, 2) if steady else None,
         "samples_per_s": round(len(timed) / whole, 4), "window_s": round(whole, 3), **info,
@@ -161,7 +168,7 @@ def thinking_figures(records: list[dict]) -> dict:
             "samples_with_thinking": round(with_thinking / max(len(records), 1), 4)}
 
 
-def measure(timed: list[Timed], workers: int, max_new_tokens: int) -> dict:
+def measure(timed: list[Timed], workers: int, max_new_tokens: int, capacity: int | None = None) -> dict:
     recs = [t.record for t in timed]
     ok = [t for t in timed if t.record["status"] == "ok"]
     failed = len(timed) - len(ok)
@@ -172,7 +179,7 @@ def measure(timed: list[Timed], workers: int, max_new_tokens: int) -> dict:
             reasons[key] = reasons.get(key, 0) + 1
     tokens = [t.tokens for t in timed]
     return {
-        "throughput": rate_figures(timed, workers),
+        "throughput": rate_figures(timed, workers, capacity),
         "latency_s": percentiles([t.end - t.start for t in ok]),
         "output_tokens": {**percentiles(tokens), "histogram": histogram(tokens, max_new_tokens),
                           "per_sample_all": sorted(tokens)},
@@ -205,7 +212,7 @@ async def _calibrate(args, urls, warm: list[dict], rows: list[dict], t_launch: f
         warm_s = time.monotonic() - t_warm
         wall0, mono0 = time.time(), time.monotonic()
         timed, workers = await send_all(engine, rows, args, Counters())
-        result = measure(timed, workers, args.max_new_tokens)
+        result = measure(timed, workers, args.max_new_tokens, engine.capacity)
         t1 = max(t.end for t in timed)
         result["window"] = {"start": _iso(wall0 + min(t.start for t in timed) - mono0),
                             "end": _iso(wall0 + t1 - mono0), "seconds": result["throughput"]["window_s"],

@@ -126,7 +126,8 @@ def render_generation(proj: dict) -> list[str]:
         f"{proj['mean_output_tokens']:,.0f} mean, thinking included; at most {f(proj['max_output_tokens'])} at "
         f"max_new_tokens)",
         f"    rate: {f(proj['output_tok_s_per_job'])} output tok/s per job{per_gpu}"
-        + ("" if proj.get("steady_state") else " - a lower bound (calibration never saturated the engine)")
+        + ("" if proj.get("steady_state") else " - a lower bound (the calibration did not load the engine as the "
+                                              "run will; see its basis)")
         + f"; start-up {proj['startup_s']:.0f} s per job",
         f"    wall time: {fmt_hours(proj['wall_hours'])} with {proj['parallel_jobs']} of {proj['jobs']} job(s) at a "
         f"time; {proj['gpu_hours']:,.1f} GPU-hours{cost}",
