@@ -123,3 +123,16 @@ def test_every_record_quarantined_gate_says_too_few_samples(tmp_path):
     gate = run_cli("gate", "--report", tmp_path / "report.json", "--out", tmp_path / "gate.ok", check=False)
     assert gate.returncode == 1 and "0 samples: too few samples survived ingest" in gate.stderr
     assert "100.0% of records read were quarantined" in gate.stderr
+
+
+def test_shard_audit_of_an_older_format_is_named(tmp_path):
+    """A results directory tokenized by an older version (per-sample lists): one line naming file and fix."""
+    old = tmp_path / "x-00000.audit.json"
+    old.write_text(json.dumps({"samples": 1, "per_sample": {"length": [3]}}))
+    write_json(tmp_path / "manifest.json", {"totals": {"records_read": 1, "quarantined": 0, "duplicates": 0,
+                                                       "samples": 1}, "files": [], "shards": []})
+    thresholds = yaml.safe_load((REPO / "config/config.yaml").read_text())["audit"]
+    proc = run_cli("audit", "--audits", old, "--manifest", tmp_path / "manifest.json", "--thresholds",
+                   json.dumps(thresholds), "--out", tmp_path / "r.json", "--html", tmp_path / "r.html", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert str(old) in proc.stderr and "format 1" in proc.stderr and "tokenize again" in proc.stderr

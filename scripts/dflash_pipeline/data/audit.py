@@ -18,7 +18,8 @@ import json
 import sys
 from collections import Counter
 
-from dflash_pipeline.data.audit_stats import TEXTS_KEPT, HashCounter, Histogram
+from dflash_pipeline.data.audit_stats import AUDIT_FORMAT, TEXTS_KEPT, HashCounter, Histogram
+from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.storage import atomic_open, read_json, write_json
 
 RESPONSE_CHECKS = {"trivial", "empty", "no_supervision", "placeholder", "truncated", "not_ending_with_assistant"}
@@ -57,7 +58,12 @@ class _Merged:
 def aggregate(audit_paths: list[str], manifest: dict, min_repeats: int) -> dict:
     merged = _Merged()
     for path in audit_paths:
-        merged.add(read_json(path))
+        a = read_json(path)
+        if a.get("format") != AUDIT_FORMAT:
+            raise PipelineError(f"{path}: a shard audit of format {a.get('format', 1)}, this audit reads format "
+                                f"{AUDIT_FORMAT}: tokenize again (snakemake --forcerun tokenize, or delete the "
+                                f"tokens directory)")
+        merged.add(a)
     repeated, top = merged.answers.summarize(min_repeats, TOP_ANSWERS)
     quarantine = Counter()
     for f in manifest["files"]:

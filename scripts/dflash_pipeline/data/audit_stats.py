@@ -16,6 +16,7 @@ from collections import Counter
 
 import numpy as np
 
+AUDIT_FORMAT = 2  # per-shard audit layout; 2: binned histograms and answer-hash counts (1 held per-sample lists)
 ANSWER_KEY_CHARS = 80
 EXACT_BELOW = 256  # histogram values below this are their own bin; above, 8 significant bits (< 1% error)
 TEXTS_KEPT = 10_000  # answer texts remembered for the report (placeholders repeat, so they come early)

@@ -90,12 +90,3 @@ def sample_id(messages: list[dict]) -> str:
     )
     return hashlib.blake2b(canonical.encode("utf-8"), digest_size=12).hexdigest()
 
-
-def prompt_messages(messages: list[dict]) -> list[dict]:
-    """The conversation up to (not including) its first assistant turn: what generation starts from."""
-    out = []
-    for m in messages:
-        if m["role"] == "assistant":
-            break
-        out.append(m)
-    return out

@@ -71,6 +71,9 @@ def _file_entry(src: str, st: dict, duplicates: int, kept: int, n_shards: int) -
 
 def build_manifest(records: list[str], stats: list[str], shard_size: int) -> dict:
     stats_by_src = {Path(s).name.removesuffix(".stats.json"): read_json(s) for s in stats}
+    missing = sorted(_src_of(p) for p in records if _src_of(p) not in stats_by_src)
+    if missing:
+        raise PipelineError(f"manifest: no stats file for the records of {', '.join(missing)} (give --stats for each)")
     paths = sorted(records, key=_src_of)
     srcs = [_src_of(p) for p in paths]
     ids, starts = _read_ids(paths)
@@ -123,11 +126,12 @@ def write_shard(records_path: str, spec: dict, out: str) -> int:
         keep[drop[(drop >= 0) & (drop < len(keep))]] = False
         table = table.filter(pa.array(keep))
     if table.num_rows != spec["samples"]:
-        raise RuntimeError(f"{records_path}: shard {spec['shard']} expects {spec['samples']} samples, "
+        raise PipelineError(f"{records_path}: shard {spec['shard']} expects {spec['samples']} samples, "
                            f"found {table.num_rows}: the manifest is stale, rerun the manifest stage")
     table = table.select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA)
     if pc.count_distinct(table.column("sample_id")).as_py() != table.num_rows:
-        raise RuntimeError(f"shard {spec['shard']}: duplicate sample ids survived deduplication")
+        raise PipelineError(f"shard {spec['shard']}: duplicate sample ids survived deduplication: the manifest "
+                            f"is stale, rerun the manifest stage")
     with atomic_path(out) as tmp:
         pq.write_table(table, tmp, compression="zstd")
     return table.num_rows

@@ -24,7 +24,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_pipeline.data.audit_stats import Histogram, answer_hash, answer_key
+from dflash_pipeline.data.audit_stats import AUDIT_FORMAT, Histogram, answer_hash, answer_key
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.storage import atomic_path, write_json
 from dflash_pipeline.target import load_tokenizer
@@ -208,7 +208,7 @@ class ShardTokenizer:
         tokens = pa.concat_tables(parts) if parts else TOKENS_SCHEMA.empty_table()
         with atomic_path(out_tokens) as tmp:
             pq.write_table(tokens, tmp, compression="zstd")
-        summary = {"input": os.path.basename(input_path), **audit.to_json(),
+        summary = {"format": AUDIT_FORMAT, "input": os.path.basename(input_path), **audit.to_json(),
                    "generation_failed": sum(failed.values()), "generation_failure_reasons": dict(failed.most_common()),
                    "settings": self.settings, "seconds": round(time.perf_counter() - t0, 3),
                    "tokenizer_load_seconds": round(self.load_seconds, 3)}
