@@ -1,7 +1,9 @@
-"""Speculative decoding (acceptance, bonus token, cache crops) is lossless; the gate fails an untrained drafter."""
+"""Speculative decoding (acceptance, bonus token, cache crops) is lossless: greedy token for token, sampled in
+distribution (chi-square against the target's exact distribution); the gate fails an untrained drafter."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -15,7 +17,17 @@ from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.target_head import load_target_head
 from dflash_pipeline.target import read_config as read_target_config
-from dflash_pipeline.drafter.evaluate import greedy_generate, speculative_generate
+from dflash_pipeline.drafter.speculative import SpeculativeSampling, greedy_generate, speculative_generate
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Decoding is many tiny ops: one intra-op thread (as the evaluate CLI uses on CPU) avoids OpenMP spin
+    contention on a shared CPU, which made these tests 20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 class OracleDrafter(nn.Module):
@@ -92,7 +104,8 @@ def test_untrained_drafter_is_lossless_and_fails_the_gate(tiny_target, setup, tm
                      "--dtype", "float32"]) == 0
     report, plot = tmp_path / "report.json", tmp_path / "acc.png"
     assert cli_main(["evaluate", "--drafter", str(export), "--model", str(tiny_target), "--tokens", str(tokens),
-                     "--holdout-fraction", "0.2", "--num-prompts", "3", "--max-new-tokens", "12",
+                     "--holdout-fraction", "0.2", "--num-prompts", "3", "--max-new-tokens", "12", "--temperatures",
+                     "0", "0.7",
                      "--device", "cpu", "--out", str(report), "--plot", str(plot)]) == 0
     r = json.loads(report.read_text())
     assert r["prompts"]["count"] == 3
@@ -101,7 +114,100 @@ def test_untrained_drafter_is_lossless_and_fails_the_gate(tiny_target, setup, tm
         assert r[name]["tau"] < 1.5
         assert r[name]["acceptance_per_position"][0] is None and len(r[name]["acceptance_per_position"]) == 8
     assert not r["passed"] and "not clearly better" in r["reasons"][0]
+    assert set(r["temperatures"]) == {"0", "0.7"} and r["temperatures"]["0"]["trained"] == r["trained"]["tau"]
+    for name in ("trained", "untrained"):  # sampled runs: tau and a curve, no token-for-token comparison
+        sampled = r["sampled"]["0.7"][name]
+        # (a random target and drafter share one LM head: both near uniform, so sampled drafts are often kept)
+        assert sampled["tau"] == r["temperatures"]["0.7"][name] and 1.0 <= sampled["tau"] <= 8.0
+        assert sampled["target_forwards"] > 0 and len(sampled["acceptance_per_position"]) == 8
     assert plot.stat().st_size > 1000
     assert cli_main(["evaluate-gate", "--report", str(report), "--out", str(tmp_path / "gate.ok")]) == 2
     assert "not clearly better" in capsys.readouterr().err
     assert not (tmp_path / "gate.ok").exists()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Speculative sampling (temperature > 0): the output is distributed exactly as the target's own sampling
+# ------------------------------------------------------------------------------------------------------------
+VOCAB, HORIZON, TEMPERATURE, SAMPLES = 4, 3, 1.0, 1000
+PROMPT = [0, 1, 2, 1]
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """A 4-token target with a sharpened (untied) LM head, so p is peaked but not deterministic, a random
+    1-layer drafter of block 3 (drafts disagree with the target often: both acceptance and rejection happen),
+    and the target's exact distribution of the first HORIZON tokens, enumerated."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model_dir = tmp_path_factory.mktemp("vocab4")
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False,
+                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(30.0)
+    target.save_pretrained(model_dir)
+    head = load_target_head(model_dir)
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(DrafterConfig.from_target(read_target_config(model_dir), 1, [0, 1], 3, VOCAB - 1,
+                                                      head.vocab_rows)).eval()
+    prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=HORIZON - 1)))
+    with torch.no_grad():
+        ids = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], 1)
+        logp = torch.log_softmax(target(input_ids=ids).logits[:, len(PROMPT) - 1:].double() / TEMPERATURE, -1)
+    exact = {}
+    for row, prefix in enumerate(prefixes.tolist()):
+        for last in range(VOCAB):
+            seq = prefix + [last]
+            exact[tuple(seq)] = float(sum(logp[row, k, t] for k, t in enumerate(seq)).exp())
+    assert abs(sum(exact.values()) - 1) < 1e-9
+    return target, drafter, head, exact
+
+
+def _chi_square_p(counts: dict, exact: dict, n: int) -> float:
+    """Pearson chi-square p-value, cells sorted by probability and pooled until each expects >= 5."""
+    pooled, e_acc, o_acc = [], 0.0, 0.0
+    for cell in sorted(exact, key=exact.get):
+        e_acc, o_acc = e_acc + exact[cell] * n, o_acc + counts.get(cell, 0)
+        if e_acc >= 5:
+            pooled.append((e_acc, o_acc))
+            e_acc = o_acc = 0.0
+    if e_acc:
+        pooled[-1] = (pooled[-1][0] + e_acc, pooled[-1][1] + o_acc)
+    chi = sum((o - e) ** 2 / e for e, o in pooled)
+    df = torch.tensor((len(pooled) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, torch.tensor(chi / 2, dtype=torch.float64)))
+
+
+def _sampled_counts(small_vocab, rule_cls) -> tuple[dict, list[int]]:
+    target, drafter, head, _ = small_vocab
+    rule = rule_cls(TEMPERATURE, torch.Generator().manual_seed(5))
+    counts, kept = {}, []
+    for _ in range(SAMPLES):
+        out, acc = speculative_generate(target, drafter, head, PROMPT, HORIZON, set(), "cpu", rule)
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+        kept += acc
+    return counts, kept
+
+
+class ResampleFromTarget(SpeculativeSampling):
+    """The classic bug: on rejection, sample from p instead of norm(max(0, p - q)) (over-weights q's picks)."""
+
+    @staticmethod
+    def residual(p, q):
+        return p
+
+
+def test_speculative_sampling_has_the_target_distribution(small_vocab):
+    counts, kept = _sampled_counts(small_vocab, SpeculativeSampling)
+    assert 0 in kept and 2 in kept and 1 in kept  # rejections, partial and full acceptance (bonus) all occur
+    p_value = _chi_square_p(counts, small_vocab[3], SAMPLES)
+    assert p_value > 1e-3, f"speculative sampling differs from the target's distribution (p = {p_value:.2e})"
+
+
+def test_a_wrong_rejection_rule_fails_the_distribution_check(small_vocab):
+    counts, _ = _sampled_counts(small_vocab, ResampleFromTarget)
+    p_value = _chi_square_p(counts, small_vocab[3], SAMPLES)
+    assert p_value < 1e-6, f"the check cannot tell a biased sampler (p = {p_value:.2e})"

@@ -1,10 +1,11 @@
 """`dflash-pipeline evaluate`: acceptance length (tau) of the drafter against the target, and losslessness.
 
-Speculative decoding with the target (transformers, KV cache) and the exported drafter, greedy:
-the drafter drafts a block `[anchor, MASK x (bs-1)]` conditioned on the target features of all accepted
-tokens; the target verifies the block in one forward; the leading drafts that equal the target's own
-predictions are accepted, plus the target's next token (bonus). tau = mean tokens per target forward
-(accepted drafts + 1). The per-position curve is the fraction of blocks whose draft k was accepted.
+Speculative decoding (drafter/speculative.py) with the target (transformers, KV cache) and the exported
+drafter. tau = mean tokens per target forward (accepted drafts + 1); the per-position curve is the fraction
+of blocks whose draft k was accepted. Greedy decoding always runs (the gate and the lossless check); each
+temperature > 0 in `--temperatures` adds a run with speculative sampling (rejection sampling: the output is
+distributed as the target's own sampling at that temperature), since users serve at T > 0 and tau moves
+with it. The gate looks at the greedy run only.
 
 Prompts: held-out samples of the token shards (sample ids whose hash falls under `--holdout-fraction`,
 the same split the train stage leaves out), each cut before its first supervised token.
@@ -30,6 +31,7 @@ import torch
 
 from dflash_pipeline import storage
 from dflash_pipeline.drafter.runtime import keeps_torch_threads
+from dflash_pipeline.drafter.speculative import SpeculativeSampling, greedy_generate, speculative_generate
 from dflash_pipeline.errors import PipelineError
 
 log = logging.getLogger("dflash_pipeline.drafter.evaluate")
@@ -44,7 +46,10 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--min-tau-gain", type=float, default=0.5, help="trained tau must exceed untrained by this")
     p.add_argument("--tie-tolerance", type=float, default=1e-3, help="logit gap treated as a numerical tie")
-    p.add_argument("--seed", type=int, default=0, help="init seed of the untrained drafter")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
+                   help="tau at each; 0 is greedy (always run: the gate and the lossless check), > 0 speculative "
+                        "sampling")
+    p.add_argument("--seed", type=int, default=0, help="init seed of the untrained drafter and the sampling seed")
     p.add_argument("--device", default="auto")
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads on CPU (decoding is many tiny ops)")
     p.add_argument("--out", required=True, help="report JSON")
@@ -54,77 +59,6 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
 def add_evaluate_gate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", required=True)
     p.add_argument("--out", required=True, help="marker file written when the gate passes")
-
-
-def _features(hidden_states, layer_ids) -> torch.Tensor:
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
-@torch.no_grad()
-def greedy_generate(target, prompt: list[int], max_new: int, stop_ids: set[int], device) -> tuple[list[int], list[float]]:
-    """Plain greedy decoding with the KV cache; also the top-1 minus top-2 logit gap of each step."""
-    out = target(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-    past = out.past_key_values
-    tokens, gaps = [], []
-    logits = out.logits[0, -1].float()
-    while True:
-        top = torch.topk(logits, 2)
-        tok = int(top.indices[0])
-        tokens.append(tok)
-        gaps.append(float(top.values[0] - top.values[1]))
-        if tok in stop_ids or len(tokens) >= max_new:
-            return tokens, gaps
-        out = target(input_ids=torch.tensor([[tok]], device=device), past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        logits = out.logits[0, -1].float()
-
-
-@torch.no_grad()
-def speculative_generate(target, drafter, head, prompt: list[int], max_new: int, stop_ids: set[int],
-                         device) -> tuple[list[int], list[int]]:
-    """Greedy speculative decoding; returns (generated tokens, accepted drafts per target forward)."""
-    from dflash_pipeline.drafter.model import ContextCache
-
-    cfg = drafter.config
-    bs, ids = cfg.block_size, cfg.target_layer_ids
-    dtype = next(drafter.parameters()).dtype
-    out = target(input_ids=torch.tensor([prompt], device=device), use_cache=True, output_hidden_states=True)
-    past = out.past_key_values
-    feats = _features(out.hidden_states, ids)
-    feat_pos = torch.arange(len(prompt), device=device)[None]
-    cache = ContextCache(len(drafter.layers))
-    generated = [int(out.logits[0, -1].argmax())]
-    accepted: list[int] = []
-    while generated[-1] not in stop_ids and len(generated) < max_new:
-        start = len(prompt) + len(generated) - 1  # position of the anchor: the last token, not yet verified
-        anchor = generated[-1]
-        block = torch.full((1, bs), cfg.mask_token_id, dtype=torch.long, device=device)
-        block[0, 0] = anchor
-        hidden = drafter(head.embed(block).to(dtype), feats.to(dtype), feat_pos,
-                         torch.arange(start, start + bs, device=device)[None], cache=cache)
-        draft = head.lm_head(hidden[0, 1:].to(head.lm_head.weight.dtype)).argmax(-1)
-        verify = torch.cat([block[0, :1], draft])[None]
-        out = target(input_ids=verify, past_key_values=past, use_cache=True, output_hidden_states=True)
-        post = out.logits[0].argmax(-1)
-        match = (draft == post[:-1]).int()
-        acc = int(match.cumprod(0).sum())
-        accepted.append(acc)
-        new = draft[:acc].tolist() + [int(post[acc])]
-        _crop(past, start + acc + 1)
-        feats = _features(out.hidden_states, ids)[:, : acc + 1]
-        feat_pos = torch.arange(start, start + acc + 1, device=device)[None]
-        for tok in new:
-            generated.append(tok)
-            if tok in stop_ids or len(generated) >= max_new:
-                break
-    return generated, accepted
-
-
-def _crop(past, keep: int) -> None:
-    """Keep the first `keep` positions of a transformers cache (crop takes a negative count to remove)."""
-    extra = past.get_seq_length() - keep
-    if extra > 0:
-        past.crop(-extra)
 
 
 def held_out_prompts(paths: list[str], fraction: float, n: int) -> list[dict]:
@@ -163,20 +97,26 @@ def _stop_ids(model_dir: str, target) -> set[int]:
     return ids
 
 
-def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_ids, device, tie_tol) -> dict:
-    bs = drafter.config.block_size
-    steps, accepted_total, produced = 0, 0, 0
+def _acceptance(accepted: list[int], bs: int) -> dict:
+    """tau (tokens per target forward: kept drafts + 1) and the fraction of blocks keeping draft k."""
+    steps = len(accepted)
     per_pos = [0] * bs
+    for a in accepted:
+        for k in range(1, a + 1):
+            per_pos[k] += 1
+    return {"tau": (sum(accepted) + steps) / max(1, steps), "target_forwards": steps,
+            "acceptance_per_position": [None] + [per_pos[k] / max(1, steps) for k in range(1, bs)]}
+
+
+def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_ids, device, tie_tol) -> dict:
+    """Greedy: tau, and every output compared token for token with plain greedy decoding."""
+    accepted, produced = [], 0
     exact, ties, failures = 0, 0, []
     t0 = time.perf_counter()
     for p, (ref, gaps) in zip(prompts, plain):
         out, acc = speculative_generate(target, drafter, head, p["prompt"], max_new, stop_ids, device)
-        steps += len(acc)
-        accepted_total += sum(acc)
+        accepted += acc
         produced += len(out)
-        for a in acc:
-            for k in range(1, a + 1):
-                per_pos[k] += 1
         if out == ref:
             exact += 1
             continue
@@ -186,89 +126,119 @@ def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_
             ties += 1
         else:
             failures.append({"sample_id": p["sample_id"], "position": diverge, "top2_gap": gap})
-    wall = time.perf_counter() - t0
-    tau = (accepted_total + steps) / max(1, steps)
-    curve = [None] + [per_pos[k] / max(1, steps) for k in range(1, bs)]
-    log.info("%s drafter: tau %.3f over %d target forwards, %d/%d outputs identical to greedy (%d ties)",
-             name, tau, steps, exact, len(prompts), ties)
-    return {"tau": tau, "target_forwards": steps, "generated_tokens": produced, "acceptance_per_position": curve,
-            "identical_outputs": exact, "numerical_ties": ties, "lossless_failures": failures,
-            "wall_seconds": round(wall, 2)}
+    stats = _acceptance(accepted, drafter.config.block_size)
+    log.info("%s drafter, greedy: tau %.3f over %d target forwards, %d/%d outputs identical to greedy (%d ties)",
+             name, stats["tau"], stats["target_forwards"], exact, len(prompts), ties)
+    return {**stats, "generated_tokens": produced, "identical_outputs": exact, "numerical_ties": ties,
+            "lossless_failures": failures, "wall_seconds": round(time.perf_counter() - t0, 2)}
 
 
-def _run_evaluate(args) -> int:
+def evaluate_sampled(name, target, drafter, head, prompts, max_new, stop_ids, device, temperature, seed) -> dict:
+    """Temperature > 0: tau under speculative sampling (lossless by construction: rejection sampling)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    rule = SpeculativeSampling(temperature, generator)
+    accepted, produced = [], 0
+    t0 = time.perf_counter()
+    for p in prompts:
+        out, acc = speculative_generate(target, drafter, head, p["prompt"], max_new, stop_ids, device, rule)
+        accepted += acc
+        produced += len(out)
+    stats = _acceptance(accepted, drafter.config.block_size)
+    log.info("%s drafter, temperature %g: tau %.3f over %d target forwards", name, temperature, stats["tau"],
+             stats["target_forwards"])
+    return {**stats, "generated_tokens": produced, "wall_seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _load(args, device):
     from transformers import AutoModelForCausalLM
 
+    from dflash_pipeline.drafter.export import load_exported
     from dflash_pipeline.drafter.model import DFlashDrafter
     from dflash_pipeline.drafter.target_head import load_target_head
-    from dflash_pipeline.drafter.export import load_exported
 
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, args.cpu_threads))
     target = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     head = load_target_head(args.model, dtype=dtype).to(device)
     trained = load_exported(args.drafter, device=device, dtype=dtype)
     head.check_mask_token(trained.config.mask_token_id)
     torch.manual_seed(args.seed)
     untrained = DFlashDrafter(trained.config).to(device=device, dtype=dtype).eval()
+    return target, head, {"untrained": untrained, "trained": trained}
+
+
+def _gate_reasons(greedy: dict, min_gain: float) -> list[str]:
+    tr, un = greedy["trained"], greedy["untrained"]
+    reasons = []
+    if tr["tau"] < un["tau"] + min_gain:
+        reasons.append(f"trained tau {tr['tau']:.3f} is not clearly better than the untrained drafter's "
+                       f"{un['tau']:.3f} (needs +{min_gain}): check target_layer_ids, labels and data")
+    for name, r in greedy.items():
+        if r["lossless_failures"]:
+            reasons.append(f"{name} drafter: {len(r['lossless_failures'])} outputs differ from greedy decoding")
+    return reasons
+
+
+def _run_evaluate(args) -> int:
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, args.cpu_threads))
+    target, head, drafters = _load(args, device)
     prompts = held_out_prompts(args.tokens, args.holdout_fraction, args.num_prompts)
     stop_ids = _stop_ids(args.model, target)
-    log.info("%d held-out prompts, max %d new tokens, stop ids %s, device %s", len(prompts), args.max_new_tokens,
-             sorted(stop_ids), device)
+    sampled_temps = sorted({float(t) for t in args.temperatures if float(t) > 0})
+    log.info("%d held-out prompts, max %d new tokens, stop ids %s, device %s, temperatures 0 %s", len(prompts),
+             args.max_new_tokens, sorted(stop_ids), device, sampled_temps)
     t0 = time.perf_counter()
     plain = [greedy_generate(target, p["prompt"], args.max_new_tokens, stop_ids, device) for p in prompts]
     plain_wall = time.perf_counter() - t0
-    results = {
-        name: evaluate_drafter(name, target, d, head, prompts, plain, args.max_new_tokens, stop_ids, device,
-                               args.tie_tolerance)
-        for name, d in (("untrained", untrained), ("trained", trained))
-    }
-    tr, un = results["trained"], results["untrained"]
-    reasons = []
-    if tr["tau"] < un["tau"] + args.min_tau_gain:
-        reasons.append(f"trained tau {tr['tau']:.3f} is not clearly better than the untrained drafter's "
-                       f"{un['tau']:.3f} (needs +{args.min_tau_gain}): check target_layer_ids, labels and data")
-    for name, r in results.items():
-        if r["lossless_failures"]:
-            reasons.append(f"{name} drafter: {len(r['lossless_failures'])} outputs differ from greedy decoding")
+    greedy = {name: evaluate_drafter(name, target, d, head, prompts, plain, args.max_new_tokens, stop_ids, device,
+                                     args.tie_tolerance) for name, d in drafters.items()}
+    sampled = {f"{t:g}": {name: evaluate_sampled(name, target, d, head, prompts, args.max_new_tokens, stop_ids,
+                                                  device, t, args.seed) for name, d in drafters.items()}
+               for t in sampled_temps}
+    reasons = _gate_reasons(greedy, args.min_tau_gain)
+    tr, un = greedy["trained"], greedy["untrained"]
     report = {
         "passed": not reasons, "reasons": reasons,
         "prompts": {"count": len(prompts), "source": "held-out samples of the token shards (sample-id hash "
                     f"< {args.holdout_fraction}, excluded from training), cut before the first response token",
                     "shards": len(args.tokens)},
-        "block_size": trained.config.block_size, "target_layer_ids": trained.config.target_layer_ids,
+        "block_size": drafters["trained"].config.block_size,
+        "target_layer_ids": drafters["trained"].config.target_layer_ids,
         "max_new_tokens": args.max_new_tokens, "min_tau_gain": args.min_tau_gain, "device": str(device),
         "plain_greedy_wall_seconds": round(plain_wall, 2), "untrained": un, "trained": tr,
+        # tau per temperature; "0" is the greedy run above (the gate's), others speculative sampling
+        "temperatures": {"0": {n: r["tau"] for n, r in greedy.items()},
+                         **{t: {n: r["tau"] for n, r in by.items()} for t, by in sampled.items()}},
+        "sampled": sampled, "sampling": "temperature only (no top-k/top-p), seed " + str(args.seed),
     }
     storage.write_json(args.out, report)
-    plot_acceptance(results, args.plot)
-    print(f"tau trained {tr['tau']:.3f} vs untrained {un['tau']:.3f}; lossless: "
+    plot_acceptance(greedy, sampled, args.plot)
+    at_t = "".join(f"; T={t}: {by['trained']['tau']:.3f} vs {by['untrained']['tau']:.3f}" for t, by in sampled.items())
+    print(f"tau trained {tr['tau']:.3f} vs untrained {un['tau']:.3f} (greedy){at_t}; lossless: "
           f"{'yes' if not (tr['lossless_failures'] or un['lossless_failures']) else 'NO'}; "
           f"{'PASS' if report['passed'] else 'FAIL: ' + '; '.join(reasons)}")
     return 0
 
 
-def plot_acceptance(results: dict, path) -> None:
+def plot_acceptance(greedy: dict, sampled: dict, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r in results.items():
+    runs = [(name, "greedy", r, "-") for name, r in greedy.items()]
+    runs += [(name, f"T={t}", r, "--") for t, by in sampled.items() for name, r in by.items()]
+    for name, how, r, style in runs:
         curve = r["acceptance_per_position"]
         ks = list(range(1, len(curve)))
-        ax.plot(ks, [curve[k] for k in ks], marker="o", label=f"{name} (tau {r['tau']:.2f})")
+        ax.plot(ks, [curve[k] for k in ks], style, marker="o", label=f"{name}, {how} (tau {r['tau']:.2f})")
     ax.set_xlabel("draft position in block (k)")
     ax.set_ylabel("fraction of blocks accepting draft k")
     ax.set_ylim(0, 1.02)
     ax.set_title("DFlash acceptance per block position")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     with storage.atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, format="png", dpi=90)

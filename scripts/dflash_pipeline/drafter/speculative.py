@@ -1,0 +1,147 @@
+"""Speculative decoding of the target with a DFlash drafter (transformers target, KV caches), for evaluation.
+
+One step: the drafter drafts a block `[anchor, MASK x (bs-1)]` conditioned on the target features of every
+accepted token (its context K/V cached); the target verifies the block in one forward; a verification rule
+decides how many drafts to keep and which token follows them; both caches are cropped to what was kept.
+
+Verification rules:
+- `GreedyVerification` (temperature 0): drafts are the drafter's argmaxes; the leading drafts equal to the
+  target's own argmax are kept, plus the target's next token (bonus). Output = plain greedy decoding.
+- `SpeculativeSampling` (temperature T > 0; Leviathan et al. 2023, Chen et al. 2023): draft k is sampled
+  from q_k = softmax(drafter logits / T) and kept with probability min(1, p_k(x)/q_k(x)), p_k the target's
+  softmax(logits / T) after the kept prefix; the first rejected position is replaced by a sample of
+  norm(max(0, p_k - q_k)); when every draft is kept the bonus is sampled from p. The output is distributed
+  exactly as plain sampling from the target at T (checked statistically in tests/test_evaluate.py). The
+  DFlash drafter predicts all block positions in parallel, so q_k does not depend on the earlier drafts:
+  the argument holds for any proposal that is fixed before x_k is drawn. Temperature only (no top-k/top-p).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def target_features(hidden_states, layer_ids) -> torch.Tensor:
+    """The drafter's context features: hidden states output by the target layers `layer_ids`, concatenated."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+class GreedyVerification:
+    temperature = 0.0
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        return int(logits.argmax())
+
+    def propose(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return draft_logits.argmax(-1), None
+
+    def verify(self, draft: torch.Tensor, q, target_logits: torch.Tensor) -> tuple[int, int]:
+        """(drafts kept, the token after them); target_logits[j] predicts the token after draft j."""
+        post = target_logits.argmax(-1)
+        kept = int((draft == post[:-1]).int().cumprod(0).sum())
+        return kept, int(post[kept])
+
+
+class SpeculativeSampling:
+    def __init__(self, temperature: float, generator: torch.Generator):
+        if temperature <= 0:
+            raise ValueError(f"speculative sampling needs a temperature > 0, got {temperature}")
+        self.temperature = temperature
+        self.generator = generator
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.float() / self.temperature, dim=-1)
+
+    def sample(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        return self.sample(self.probs(logits))
+
+    def propose(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = self.probs(draft_logits)
+        return torch.multinomial(q, 1, generator=self.generator).squeeze(-1), q
+
+    def verify(self, draft: torch.Tensor, q: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+        p = self.probs(target_logits)
+        n = draft.shape[0]
+        rows = torch.arange(n, device=draft.device)
+        u = torch.rand(n, generator=self.generator, device=draft.device)
+        keep = u * q[rows, draft] < p[rows, draft]  # u < p(x)/q(x), without dividing by a tiny q
+        kept = int(keep.int().cumprod(0).sum())
+        if kept == n:
+            return kept, self.sample(p[n])
+        return kept, self.sample(self.residual(p[kept], q[kept]))
+
+    @staticmethod
+    def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """norm(max(0, p - q)): what p still owes after q's accepted mass (p itself if q covers p exactly)."""
+        r = (p - q).clamp_min(0)
+        total = r.sum()
+        return r / total if total > 0 else p
+
+
+GREEDY = GreedyVerification()
+
+
+@torch.no_grad()
+def greedy_generate(target, prompt: list[int], max_new: int, stop_ids: set[int], device) -> tuple[list[int], list[float]]:
+    """Plain greedy decoding with the KV cache; also the top-1 minus top-2 logit gap of each step."""
+    out = target(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+    past = out.past_key_values
+    tokens, gaps = [], []
+    logits = out.logits[0, -1].float()
+    while True:
+        top = torch.topk(logits, 2)
+        tok = int(top.indices[0])
+        tokens.append(tok)
+        gaps.append(float(top.values[0] - top.values[1]))
+        if tok in stop_ids or len(tokens) >= max_new:
+            return tokens, gaps
+        out = target(input_ids=torch.tensor([[tok]], device=device), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[0, -1].float()
+
+
+@torch.no_grad()
+def speculative_generate(target, drafter, head, prompt: list[int], max_new: int, stop_ids: set[int],
+                         device, rule=GREEDY) -> tuple[list[int], list[int]]:
+    """Speculative decoding under `rule`; returns (generated tokens, drafts kept per target forward)."""
+    from dflash_pipeline.drafter.model import ContextCache
+
+    cfg = drafter.config
+    bs, ids = cfg.block_size, cfg.target_layer_ids
+    dtype = next(drafter.parameters()).dtype
+    out = target(input_ids=torch.tensor([prompt], device=device), use_cache=True, output_hidden_states=True)
+    past = out.past_key_values
+    feats = target_features(out.hidden_states, ids)
+    feat_pos = torch.arange(len(prompt), device=device)[None]
+    cache = ContextCache(len(drafter.layers))
+    generated = [rule.first_token(out.logits[0, -1])]
+    accepted: list[int] = []
+    while generated[-1] not in stop_ids and len(generated) < max_new:
+        start = len(prompt) + len(generated) - 1  # position of the anchor: the last token, not yet verified
+        block = torch.full((1, bs), cfg.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = generated[-1]
+        hidden = drafter(head.embed(block).to(dtype), feats.to(dtype), feat_pos,
+                         torch.arange(start, start + bs, device=device)[None], cache=cache)
+        draft, q = rule.propose(head.lm_head(hidden[0, 1:].to(head.lm_head.weight.dtype)))
+        out = target(input_ids=torch.cat([block[0, :1], draft])[None], past_key_values=past, use_cache=True,
+                     output_hidden_states=True)
+        kept, nxt = rule.verify(draft, q, out.logits[0])
+        accepted.append(kept)
+        _crop(past, start + kept + 1)
+        feats = target_features(out.hidden_states, ids)[:, : kept + 1]
+        feat_pos = torch.arange(start, start + kept + 1, device=device)[None]
+        for tok in draft[:kept].tolist() + [nxt]:
+            generated.append(tok)
+            if tok in stop_ids or len(generated) >= max_new:
+                break
+    return generated, accepted
+
+
+def _crop(past, keep: int) -> None:
+    """Keep the first `keep` positions of a transformers cache (crop takes a negative count to remove)."""
+    extra = past.get_seq_length() - keep
+    if extra > 0:
+        past.crop(-extra)
