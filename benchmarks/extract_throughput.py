@@ -171,7 +171,8 @@ class Bench:
 
 def print_table(rows, limit):
     print()
-    print(f"{'case':44s} {'tokens':>9s} {'tok/s':>9s} {'% limit':>8s} {'x SpecForge':>11s} {'bytes/bf16':>10s} {'pad':>6s}")
+    print(f"{'case':44s} {'tokens':>9s} {'tok/s':>9s} {'% limit':>8s} {'x SpecForge':>11s} {'bytes/bf16':>10s} "
+          f"{'pad':>6s}")
     for r in rows:
         pct = f"{100 * r['tok_s'] / limit:7.1f}%" if limit else "      -"
         ratio = f"{r['ratio']:10.3f}" if r["ratio"] is not None else "         -"

@@ -41,7 +41,8 @@ def capture(args):
 
         model = load_model(args.model, "cpu")
         tok = AutoTokenizer.from_pretrained(args.model)
-        text = " ".join(open(p, encoding="utf-8").read() for p in sorted(glob.glob("README.md") + glob.glob("scripts/dflash_pipeline/*.py")))
+        files = sorted(glob.glob("README.md") + glob.glob("scripts/dflash_pipeline/**/*.py", recursive=True))
+        text = " ".join(open(p, encoding="utf-8").read() for p in files)
         ids = torch.tensor(tok(text)["input_ids"][: args.batch * args.seq]).view(args.batch, -1)
         n = model.config.num_hidden_layers
         layers, what = [1, 2, 3, 4, 5][: max(1, n - 3)], f"demo target ({args.model}, random fp32 weights, repo text)"

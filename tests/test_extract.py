@@ -250,8 +250,8 @@ def test_bad_inputs_are_one_line_errors_before_the_target_loads(tmp_path, capsys
                             schema=schema), tmp_path / "twice.parquet")
     pq.write_table(pa.table({"sample_id": ["a"], "input_ids": [[1, 2]], "loss_mask": [[1]]}, schema=schema),
                    tmp_path / "ragged.parquet")
-    for tokens, why in [("chat.parquet", "cannot read the token shard"), ("junk.parquet", "cannot read the token shard"),
-                        ("missing.parquet", "cannot read the token shard"),
+    unreadable = "cannot read the token shard"
+    for tokens, why in [("chat.parquet", unreadable), ("junk.parquet", unreadable), ("missing.parquet", unreadable),
                         ("twice.parquet", "sample 'a' appears twice (row 2)"),
                         ("ragged.parquet", "sample 'a' has 2 input_ids but 1 loss_mask values")]:
         assert main([*base, "--tokens", str(tmp_path / tokens)]) == 2

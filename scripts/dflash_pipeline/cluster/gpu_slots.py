@@ -116,8 +116,8 @@ def ensure_lock_dir(lock_dir: str) -> None:
         raise PipelineError(f"with-gpus: lock dir {lock_dir} belongs to uid {st.st_uid}, not to this user "
                             f"({os.getuid()}); refusing it (choose another --lock-dir)")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise PipelineError(f"with-gpus: lock dir {lock_dir} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
-                            f"refusing it (chmod 700 {lock_dir})")
+        raise PipelineError(f"with-gpus: lock dir {lock_dir} is writable by others "
+                            f"(mode {stat.S_IMODE(st.st_mode):o}); refusing it (chmod 700 {lock_dir})")
 
 
 def acquire(n: int, pool: list[str], lock_dir: str, timeout: float | None = None,
@@ -155,7 +155,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--n", type=int, required=True, help="number of GPUs the command needs (0: none)")
     parser.add_argument("--pool", default=None, help="comma-separated GPU ids to choose from (default: detect)")
     parser.add_argument("--lock-dir", default=None,
-                        help=f"directory of per-GPU lock files (default ${DEFAULT_LOCK_DIR_ENV} or /tmp/dflash-gpu-locks-UID)")
+                        help=f"directory of per-GPU lock files, this user's, mode 0700 "
+                             f"(default ${DEFAULT_LOCK_DIR_ENV} or /tmp/dflash-gpu-locks-UID)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for free GPUs (default: forever)")
     parser.add_argument("--cpu-fallback", action="store_true",
                         help="when the machine has no GPU at all, run the command on CPU instead of failing")
