@@ -4,6 +4,8 @@ made again alone."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from conftest import S3_BUCKET as BUCKET
