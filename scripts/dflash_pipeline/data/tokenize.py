@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.data.audit_stats import AUDIT_FORMAT, Histogram, answer_hash, answer_key
+from dflash_pipeline.data.generated_tokens import encode_conversations, token_id_columns
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.storage import atomic_path, write_json
 from dflash_pipeline.target import load_tokenizer
@@ -153,19 +154,21 @@ def successful_rows(table: pa.Table) -> tuple[pa.Table, Counter]:
 
 
 def _encode_batch(masker, ids: list[str], conversations: list[list[dict]], audit: ShardAudit,
-                  pattern, trusted_roles: frozenset = frozenset()) -> pa.Table | None:
-    """One batch of conversations -> token rows; samples with forged control tokens are left out."""
+                  pattern, trusted_roles: frozenset = frozenset(), token_ids: list | None = None) -> pa.Table | None:
+    """One batch of conversations -> token rows; samples with forged control tokens are left out.
+    `token_ids`: per row the target's own (prompt_ids, output_ids) or None (data/generated_tokens.py)."""
     keep = []
-    for sid, messages in zip(ids, conversations):
+    for sid, messages, ids_row in zip(ids, conversations, token_ids or [None] * len(ids)):
         reason = forged_turn(messages, pattern, trusted_roles)
         if reason:
             audit.reject(sid, reason)
         else:
-            keep.append((sid, messages))
+            keep.append((sid, messages, ids_row))
     if not keep:
         return None
     cols = {name: [] for name in TOKENS_SCHEMA.names}
-    for (sid, messages), sample in zip(keep, masker.encode([m for _, m in keep])):
+    samples = encode_conversations(masker, [m for _, m, _ in keep], [t for _, _, t in keep])
+    for (sid, messages, _), sample in zip(keep, samples):
         audit.add(messages, sample)
         for name, value in (("sample_id", sid), ("input_ids", sample.input_ids), ("loss_mask", sample.loss_mask),
                             ("length", len(sample.input_ids)), ("num_loss_tokens", int(sum(sample.loss_mask))),
@@ -199,10 +202,11 @@ class ShardTokenizer:
         table, failed = successful_rows(raw)
         audit = ShardAudit(self.trivial_tokens)
         ids, parts = table.column("sample_id").to_pylist(), []
+        token_ids = token_id_columns(table)  # regenerated rows: the target's own ids, no text round trip
         for lo in range(0, table.num_rows, self.batch_size):
             conversations = table.column("messages").slice(lo, self.batch_size).to_pylist()
             part = _encode_batch(self.masker, ids[lo:lo + self.batch_size], conversations, audit, self.pattern,
-                                 trusted)
+                                 trusted, token_ids[lo:lo + self.batch_size])
             if part is not None:
                 parts.append(part)
         tokens = pa.concat_tables(parts) if parts else TOKENS_SCHEMA.empty_table()

@@ -1,0 +1,57 @@
+"""Training samples of regenerated conversations straight from the target's own token ids.
+
+The generate stage stores, per sample, `output_ids` (per generated assistant turn, the exact ids the target
+emitted: thinking, answer and the end token) and `prompt_ids` (the ids of the last generated turn's prompt,
+as the engine fed them to the target). The training sequence is `prompt_ids + output_ids[-1]`: exactly the
+stream the target produced. Rendering the text again through the chat template and re-encoding it would
+not give it back: a byte-level BPE encodes a decoded string canonically, while a model may emit any
+segmentation ("Hello" as "Hel" + "lo"), the reasoning parser strips and re-joins the think block, and the
+template rewrites whitespace around it. A drafter trained on the re-encoded stream learns a stream its
+target never produces.
+
+Loss mask: every output id of the last generated turn, thinking included. With thinking on, the target's
+own thinking tokens are what the drafter is asked to draft at inference, so they are trained like the
+answer; the end token (`<|im_end|>`) is trained too (the drafter must predict the stop). The prompt,
+including earlier turns of a `turns: all` conversation (which the template re-renders, Qwen3 without their
+thinking, so they are not the ids the target emitted) is context only.
+
+Rows without ids (a backend that returned none) fall back to the text rendering of the chat masker.
+"""
+
+from __future__ import annotations
+
+from dflash_pipeline.data.chat_masking import MaskedSample
+
+
+def token_id_columns(table) -> list[tuple[list[int], list[list[int]]] | None]:
+    """Per row of a completions table: (prompt_ids, output_ids per turn), or None without ids."""
+    names = table.column_names
+    if "output_ids" not in names or "prompt_ids" not in names:
+        return [None] * table.num_rows
+    prompts, outputs = table.column("prompt_ids").to_pylist(), table.column("output_ids").to_pylist()
+    return [(p, o) if p is not None and o else None for p, o in zip(prompts, outputs)]
+
+
+def sample_from_ids(prompt_ids: list[int], output_ids: list[list[int]], closing_ids: list[int],
+                    max_length: int | None) -> MaskedSample:
+    """The exact stream prompt + last turn's output, supervised on the output (see the module docstring)."""
+    last = list(output_ids[-1])
+    ids = list(prompt_ids) + last
+    mask = [0] * len(prompt_ids) + [1] * len(last)
+    truncated = max_length is not None and len(ids) > max_length
+    if truncated:
+        ids, mask = ids[:max_length], mask[:max_length]
+    closing_found = bool(closing_ids) and last[-len(closing_ids):] == closing_ids
+    return MaskedSample(input_ids=ids, loss_mask=mask, text="", spans=[], turn_tokens=[len(last)],
+                        truncated=truncated, closing_found=closing_found)
+
+
+def encode_conversations(masker, conversations: list[list[dict]], token_ids: list | None) -> list[MaskedSample]:
+    """Samples for a batch: from the target's ids where the row has them, else from the rendered text."""
+    if not token_ids or all(t is None for t in token_ids):
+        return masker.encode(conversations)
+    closing = masker.tokenizer.encode(masker.closing, add_special_tokens=False) if masker.closing else []
+    by_text = [c for c, t in zip(conversations, token_ids) if t is None]
+    rendered = iter(masker.encode(by_text) if by_text else [])
+    return [next(rendered) if t is None else sample_from_ids(t[0], t[1], closing, masker.max_length)
+            for t in token_ids]
