@@ -250,7 +250,7 @@ def prepare_workdir(workdir: Path, corpus: Path, overrides: dict | None = None) 
 def run_snakemake(workdir: Path, cores: int, extra: list[str]) -> tuple[subprocess.CompletedProcess, float]:
     bin_dir = Path(sys.executable).parent
     cmd = [str(bin_dir / "snakemake"), "--profile", "profiles/local", "--cores", str(cores), "--configfile",
-           "config/seed_scale.yaml", "seed_inputs.yaml", "--", "results/audit/source/gate.ok", *extra]
+           "config/seed_scale.yaml", "seed_inputs.yaml", *extra, "--", "results/audit/source/gate.ok"]
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
@@ -390,9 +390,12 @@ def main() -> int:
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep-corpus", action="store_true", help="reuse the corpus already in WORKDIR/corpus")
+    ap.add_argument("--report-only", action="store_true", help="measure a finished run again (no corpus, no run)")
     ap.add_argument("snakemake_args", nargs="*", help="extra Snakemake arguments (after --)")
     args = ap.parse_args()
     corpus = args.workdir / "corpus"
+    if args.report_only:
+        return report(args.workdir, json.loads((args.workdir / "seed_scale.json").read_text()), args.cores)
     t0 = time.time()
     if args.keep_corpus and (corpus / "expected.json").exists():
         expected = json.loads((corpus / "expected.json").read_text())
@@ -404,11 +407,27 @@ def main() -> int:
     shutil.rmtree(args.workdir / "results", ignore_errors=True)
     proc, wall = run_snakemake(args.workdir, args.cores, args.snakemake_args)
     (args.workdir / "snakemake.log").write_text(proc.stdout + proc.stderr)
-    m = measure(args.workdir, wall, proc, args.cores, expected)
-    m["gate_says"] = [line for line in (proc.stdout + proc.stderr).splitlines() if "trivial responses" in line][:1]
-    m["accounting_problems"] = check_accounting(args.workdir / "results", expected)
-    (args.workdir / "seed_scale.json").write_text(json.dumps(m, indent=1))
+    (args.workdir / "seed_scale.json").write_text(json.dumps({"wall_s": wall, "rc": proc.returncode,
+                                                              "loadavg": os.getloadavg()}))
+    return report(args.workdir, {"wall_s": wall, "rc": proc.returncode, "loadavg": os.getloadavg()}, args.cores)
+
+
+def report(workdir: Path, run: dict, cores: int) -> int:
+    """Measure a finished run: the table, the accounting check, the time Snakemake needs to plan the full DAG."""
+    expected = json.loads((workdir / "corpus" / "expected.json").read_text())
+    log_text = (workdir / "snakemake.log").read_text()
+    proc = subprocess.CompletedProcess([], run["rc"], log_text, "")
+    m = measure(workdir, run["wall_s"], proc, cores, expected)
+    m["loadavg"] = run["loadavg"]
+    m["gate_says"] = [line for line in log_text.splitlines() if "trivial responses" in line][:1]
+    m["accounting_problems"] = check_accounting(workdir / "results", expected)
+    t0 = time.time()  # planning every job of the finished run again (manifest present): DAG building cost
+    plan, _ = run_snakemake(workdir, cores, ["-n", "--forcerun", "shard_group", "tokenize_group"])
+    m["dag_seconds"] = time.time() - t0
+    m["dag_jobs"] = sum(int(x) for x in re.findall(r"^total\s+(\d+)", plan.stdout + plan.stderr, flags=re.M)[:1])
+    (workdir / "seed_scale.json").write_text(json.dumps({**run, **m}, indent=1))
     print_table(m)
+    print(f"planning the {m['dag_jobs']} jobs after the manifest (snakemake -n --forcerun shard_group tokenize_group): {m['dag_seconds']:.0f} s")
     print("gate:", *m["gate_says"])
     print("accounting:", "exact" if not m["accounting_problems"] else m["accounting_problems"])
     return 0 if not m["accounting_problems"] else 1

@@ -302,3 +302,30 @@ def test_array_scanner_across_read_boundaries_with_escapes(tmp_path):
     stats, rows, quarantine = ingest(path, tmp_path)
     assert stats["kept"] == 400 and not quarantine
     assert [r["messages"][1]["content"] for r in rows] == [r["conversations"][1]["value"] for r in records]
+
+
+def test_dedup_spilled_to_partitions_equals_in_memory():
+    """The manifest's deduplicator gives the same first occurrences whether it spills to disk or not."""
+    import numpy as np
+
+    from dflash_pipeline.data.conversations import sample_id
+    from dflash_pipeline.data.dedup import Deduplicator
+
+    rng = np.random.default_rng(0)
+    pool = [sample_id([{"role": "user", "content": str(i)}]).encode() for i in range(3000)]
+    ids = np.array([pool[i] for i in rng.integers(0, 3000, 10_000)])
+    results = []
+    for buffer_rows, partitions in ((1 << 20, 64), (700, 7)):
+        dedup = Deduplicator(buffer_rows=buffer_rows, partitions=partitions)
+        for lo in range(0, len(ids), 999):
+            dedup.add(ids[lo:lo + 999])
+        results.append(dedup.duplicates())
+    (pos, first, dup_ids), spilled = results
+    assert all(np.array_equal(a, b) for a, b in zip(results[0], spilled))
+    seen, expect = {}, []
+    for i, x in enumerate(ids.tolist()):
+        if x in seen:
+            expect.append((i, seen[x]))
+        else:
+            seen[x] = i
+    assert list(zip(pos.tolist(), first.tolist())) == expect and (dup_ids == ids[pos]).all()

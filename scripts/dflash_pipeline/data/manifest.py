@@ -1,7 +1,8 @@
 """The shard manifest (the workflow's one checkpoint) and the per-shard writer.
 
-`manifest`: reads every ingested file's sample ids in a fixed order, marks exact duplicates (the first
-occurrence wins, across files too) and cuts each file's unique records into shards of `shard_size`.
+`manifest`: streams every ingested file's sample ids in a fixed order through a bounded-memory deduplicator
+(data/dedup.py) that marks exact duplicates (the first occurrence wins, across files too) and cuts each file's
+unique records into shards of `shard_size`.
 Shards are named `<source>-<k>`, so a change to one raw file changes only that file's shards.
 
 `shard`: writes one shard from its file's records and its manifest entry.
@@ -20,6 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_pipeline.data.conversations import SAMPLE_SCHEMA
+from dflash_pipeline.data.dedup import Deduplicator
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.storage import atomic_path, read_json, write_json
 
@@ -30,23 +32,18 @@ def _src_of(records_path: str) -> str:
     return Path(records_path).name.removesuffix(".parquet")
 
 
-def _read_ids(paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Every file's sample ids as one fixed-width bytes array (~24 bytes a record, not a Python set of
-    strings), and the start of each file in it."""
-    parts = [pq.read_table(p, columns=["sample_id"]).column("sample_id").to_numpy(zero_copy_only=False)
-             for p in paths]
-    starts = np.cumsum([0] + [len(x) for x in parts])
-    ids = np.concatenate(parts).astype(np.bytes_) if starts[-1] else np.zeros(0, dtype="S1")
-    return ids, starts
-
-
-def _first_occurrences(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(is_first[i], index of the first record with the same id as record i), in global order."""
-    if not len(ids):
-        return np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64)
-    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    first_of = first[inverse.reshape(-1)]
-    return first_of == np.arange(len(ids)), first_of
+def _dedup_files(paths: list[str]) -> tuple[np.ndarray, tuple]:
+    """Each file's record count, and (positions, first positions, ids) of the duplicates, positions counting
+    records across the files in order. Ids stream through the Deduplicator a row group at a time."""
+    dedup, sizes = Deduplicator(), []
+    for path in paths:
+        n = 0
+        for batch in pq.ParquetFile(path).iter_batches(columns=["sample_id"], batch_size=65536):
+            ids = batch.column(0).to_numpy(zero_copy_only=False).astype(np.bytes_)
+            dedup.add(ids)
+            n += len(ids)
+        sizes.append(n)
+    return np.cumsum([0] + sizes), dedup.duplicates()
 
 
 def _cut_shards(src: str, is_first: np.ndarray, shard_size: int) -> list[dict]:
@@ -76,32 +73,31 @@ def build_manifest(records: list[str], stats: list[str], shard_size: int) -> dic
         raise PipelineError(f"manifest: no stats file for the records of {', '.join(missing)} (give --stats for each)")
     paths = sorted(records, key=_src_of)
     srcs = [_src_of(p) for p in paths]
-    ids, starts = _read_ids(paths)
-    is_first, first_of = _first_occurrences(ids)
+    starts, dups = _dedup_files(paths)
     files, shards = [], []
     for i, src in enumerate(srcs):
-        lo, hi = starts[i], starts[i + 1]
-        own = _cut_shards(src, is_first[lo:hi], shard_size)
-        kept = int(is_first[lo:hi].sum())
-        files.append(_file_entry(src, stats_by_src[src], int(hi - lo) - kept, kept, len(own)))
+        lo, hi = int(starts[i]), int(starts[i + 1])
+        is_first = np.ones(hi - lo, dtype=bool)
+        is_first[dups[0][(dups[0] >= lo) & (dups[0] < hi)] - lo] = False
+        own = _cut_shards(src, is_first, shard_size)
+        kept = int(is_first.sum())
+        files.append(_file_entry(src, stats_by_src[src], hi - lo - kept, kept, len(own)))
         shards.extend(own)
     totals = {k: sum(f[k] for f in files) for k in ("records_read", "quarantined", "duplicates")}
     totals["samples"] = sum(f["kept"] for f in files)
     return {"shard_size": shard_size, "totals": totals, "files": files, "shards": shards,
-            "duplicate_examples": _duplicate_examples(ids, first_of, starts, srcs, stats_by_src)}
+            "duplicate_examples": _duplicate_examples(dups, starts, srcs, stats_by_src)}
 
 
-def _duplicate_examples(ids, first_of, starts, srcs, stats_by_src) -> list[dict]:
-    dups = np.flatnonzero(first_of != np.arange(len(ids)))[:DUPLICATE_EXAMPLES]
-
+def _duplicate_examples(dups, starts, srcs, stats_by_src) -> list[dict]:
     def where(g: int) -> tuple[str, int]:
         f = int(np.searchsorted(starts, g, side="right")) - 1
         return stats_by_src[srcs[f]]["file"], int(g - starts[f])
 
     out = []
-    for g in dups:
-        (file, row), (first_file, first_row) = where(int(g)), where(int(first_of[g]))
-        out.append({"sample_id": ids[g].decode(), "file": file, "row": row, "first_file": first_file,
+    for g, first, sid in zip(*(x[:DUPLICATE_EXAMPLES] for x in dups)):
+        (file, row), (first_file, first_row) = where(int(g)), where(int(first))
+        out.append({"sample_id": sid.decode(), "file": file, "row": row, "first_file": first_file,
                     "first_row": first_row})
     return out
 
