@@ -222,7 +222,7 @@ def test_twenty_percent_faults_all_complete(tmp_path, tiny_target):
 def test_dead_server_among_several(tmp_path, tiny_target):
     rows = write_shard(tmp_path / "in.parquet", 60, seed=7)
     out = tmp_path / "s-00000.parquet"
-    never = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    never = f"http://user:tok3n@127.0.0.1:{free_port()}"  # nothing listens there; credentials never shown
     with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant", delay=0.01) as a, \
             SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant", delay=0.01) as b, \
             SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant", die_after=6) as dying:
@@ -231,7 +231,8 @@ def test_dead_server_among_several(tmp_path, tiny_target):
         assert dying.proc.wait(5) != 0  # it really died mid-run
     got = assert_one_row_per_sample(out, rows)
     assert_answers_belong(got)
-    assert "taken out" in proc.stderr and never in proc.stderr
+    assert "taken out" in proc.stderr and never.replace("user:tok3n@", "***@") in proc.stderr
+    assert "tok3n" not in proc.stderr
 
 
 def _journal_lines(path: Path) -> int:
@@ -472,3 +473,143 @@ def test_workflow_plans_one_generation_job_per_group_of_shards(tmp_path, tiny_ta
     assert re.search(rf"generate_group\s+{len(groups)}\n", out) and re.search(rf"completions_from_group\s+{len(shards)}\n", out)
     for g in groups:
         assert f"results/completions/groups/{g}" in out
+
+
+# ------------------------------------------------------------------------------------------------------
+# the SGLang 0.5.23 contract: aborts, context overflow, seeds, errors, identity (issue 12), hostile inputs (14)
+# ------------------------------------------------------------------------------------------------------
+def test_abort_with_http_200_is_a_transient_failure_with_its_reason(tmp_path, tiny_target):
+    rows = write_shard(tmp_path / "in.parquet", 4, seed=30)
+    out = tmp_path / "s-00000.parquet"
+    with SGLangTestServer(tiny_target, engine="instant", fault_rate=1.0, faults="abort") as server:
+        for api in ("chat", "generate"):
+            gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url, "--api", api,
+                "--model", tiny_target, "--max-retries", "2")
+            got = assert_one_row_per_sample(out, rows)
+            assert all(r["status"] == "failed" and r["attempts"] == 3 for r in got)  # retried, then given up
+            assert all("finish_reason=abort" in r["failure_reason"] for r in got)
+            assert all(all(m["role"] != "assistant" for m in r["messages"]) for r in got)
+            if api == "generate":  # SGLang's abort message travels with the reason
+                assert all("Abort in waiting queue" in r["failure_reason"] for r in got)
+            summary = read_summary(out)
+            assert summary["this_run"]["aborted"] == 3 * len(rows)
+            assert not summary["this_run"]["failed_permanent"]  # a rerun retries them
+            out.unlink()
+
+
+def test_context_overflow_caps_the_budget_and_keeps_earlier_turns(tmp_path, tiny_target):
+    """The stand-in rejects prompt + max_new_tokens > context with SGLang's 400; the client asks again within
+    the context (chat: from the error's numbers), and a later turn that cannot fit ends the conversation."""
+    words = lambda n: " ".join(["word"] * n)  # noqa: E731 (instant engine: a token is a word)
+    msg = lambda role, text: {"role": role, "content": text, "reasoning_content": None}  # noqa: E731
+    fits = [[msg("user", words(20)), msg("assistant", "OK.")]]
+    later_too_long = [[msg("user", words(10)), msg("assistant", "OK."), msg("user", words(40)), msg("assistant", "OK.")]]
+    rows = write_shard(tmp_path / "in.parquet", 0, seed=31, extra=fits + later_too_long)
+    out = tmp_path / "s-00000.parquet"
+    stats = tmp_path / "stats.json"
+    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", "--context-length", "40", engine="instant",
+                          answer_words=30, stats_file=stats) as server:
+        gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url, "--turns", "all",
+            "--max-new-tokens", "64", "--max-in-flight", "1")
+    one, two = assert_one_row_per_sample(out, rows)
+    assert one["status"] == "ok" and one["finish_reason"] == "length"
+    assert len(one["messages"][-1]["content"].split()) == 40 - 20  # capped to the context left
+    assert two["status"] == "ok" and two["generated_turns"] == 1  # turn 2 (50 prompt words) cannot fit: kept 1
+    assert [m["role"] for m in two["messages"]] == ["user", "assistant"]
+    assert read_summary(out)["this_run"]["truncated"] == 1
+    budgets = json.loads(stats.read_text())["budgets"]
+    assert budgets[:2] == [64, 20]  # the 400, then the same request within the context
+
+
+def test_generate_api_caps_before_sending_and_records_seeds(tmp_path, tiny_target):
+    """/generate: the prompt ids are known here, so the budget is capped before sending (the context comes from
+    /v1/models max_model_len); every request carries its sample's seed, recorded in sampling_params."""
+    from dflash_pipeline.generation.client import sample_seed
+
+    rows = write_shard(tmp_path / "in.parquet", 6, seed=32)
+    out = tmp_path / "s-00000.parquet"
+    stats = tmp_path / "stats.json"
+    with SGLangTestServer(tiny_target, "--context-length", "100", engine="instant", stats_file=stats) as server:
+        gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url, "--api", "generate",
+            "--model", tiny_target, "--max-new-tokens", "5000", "--seed", "7")
+    got = assert_one_row_per_sample(out, rows)
+    sent = json.loads(stats.read_text())
+    assert len(sent["budgets"]) == len(rows)  # one request each: no 400 round trip
+    assert all(b == 100 - len(r["prompt_ids"]) for b, r in zip(sorted(sent["budgets"]), sorted(
+        got, key=lambda r: 100 - len(r["prompt_ids"]))))
+    seeds = [json.loads(r["sampling_params"])["seed"] for r in got]
+    assert seeds == [sample_seed(7, r["sample_id"]) for r in got] and len(set(seeds)) == len(rows)
+    assert sorted(sent["seeds"]) == sorted(seeds)
+    assert all(r["output_ids"] and r["output_ids"][-1][-1] == 2 for r in got)  # the stand-in's end id
+
+
+def test_generate_errors_and_credentials_never_stored(tmp_path, tiny_target):
+    """/generate's {"error": {"message"}} body is read (the reason names it); a server URL with user:token@
+    appears nowhere: not in failure_reason, the journal or the log."""
+    rows = write_shard(tmp_path / "in.parquet", 20, seed=33)
+    out = tmp_path / "s-00000.parquet"
+    with SGLangTestServer(tiny_target, engine="instant", fault_rate=1.0, faults="400") as server:
+        proc = gen(tmp_path / "in.parquet", out, "--backend", "servers", "--api", "generate", "--model", tiny_target,
+                   "--servers", server.url, check=False)
+    assert proc.returncode == 2 and "The model `nonexistent` does not exist." in proc.stderr
+    with SGLangTestServer(tiny_target, engine="instant", fault_rate=1.0, faults="500") as server:
+        url = server.url.replace("http://", "http://alice:s3cr3t@")
+        proc = gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", url, "--max-retries", "1")
+    got = assert_one_row_per_sample(out, rows)
+    assert all(r["status"] == "failed" and "http://***@127.0.0.1" in r["failure_reason"] for r in got)
+    journal = (tmp_path / "journal" / "s-00000.jsonl").read_text()
+    assert "s3cr3t" not in journal and "s3cr3t" not in proc.stderr and "s3cr3t" not in out.read_bytes().decode("latin-1")
+
+
+def test_journal_is_set_aside_when_the_weights_change(tmp_path, tiny_target):
+    """Same path, other weights (a rebuilt target: new weight files) or another weight_version on the server:
+    the old answers are never reused."""
+    import shutil
+
+    model = tmp_path / "target"
+    shutil.copytree(tiny_target, model)
+    rows = write_shard(tmp_path / "in.parquet", 5, seed=34)
+    out = tmp_path / "s-00000.parquet"
+    common = ["--backend", "servers", "--model", model]
+    with SGLangTestServer(model, engine="instant") as server:
+        gen(tmp_path / "in.parquet", out, *common, "--servers", server.url)
+        weights = model / "model.safetensors"
+        weights.write_bytes(weights.read_bytes() + b"\0")  # retrained / rebuilt in the same directory
+        gen(tmp_path / "in.parquet", out, *common, "--servers", server.url)
+        assert read_summary(out)["resumed_from_journal"] == 0
+    with SGLangTestServer(model, "--weight-version", "v2", engine="instant") as server:
+        gen(tmp_path / "in.parquet", out, *common, "--servers", server.url)
+        assert read_summary(out)["resumed_from_journal"] == 0
+    assert len(list((tmp_path / "journal").glob("s-00000.jsonl.stale-*"))) >= 1
+
+
+def test_bad_journal_lines_are_quarantined_and_the_run_goes_on(tmp_path, tiny_target):
+    rows = write_shard(tmp_path / "in.parquet", 10, seed=35)
+    out = tmp_path / "s-00000.parquet"
+    journal = tmp_path / "journal" / "s-00000.jsonl"
+    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", engine="instant") as server:
+        gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url)
+        lines = journal.read_bytes().split(b"\n")
+        header, records = lines[0], [l for l in lines[1:] if l]
+        bad = [b"\x00garbage{{", b'{"status": "ok", "messages": []}', b"[1, 2, 3]", header,
+               json.dumps({"sample_id": rows[0]["sample_id"], "status": "ok"}).encode()]  # an older record format
+        kept = records[5:]
+        journal.write_bytes(b"\n".join([header] + bad[:3] + kept[:2] + bad[3:] + kept[2:]) + b"\n")
+        out.unlink()
+        proc = gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url)
+        assert_answers_belong(assert_one_row_per_sample(out, rows))
+        assert read_summary(out)["resumed_from_journal"] == 5  # the 5 valid records; the rest generated again
+        quarantine = [json.loads(q) for q in
+                      (tmp_path / "journal" / "s-00000.quarantine.jsonl").read_text().splitlines()]
+        assert [q["reason"] for q in quarantine] == ["not JSON", "no sample_id", "a JSON list, not an object",
+                                                     "a second header", "no messages list"]
+        assert "5 bad journal line(s) quarantined" in proc.stderr
+        again = gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url)
+    assert read_summary(out)["resumed_from_journal"] == 10 and "quarantined" not in again.stderr  # clean now
+
+
+def test_in_flight_follows_dp_replicas():
+    from dflash_pipeline.generation.servers import requests_in_flight
+
+    assert requests_in_flight({"max_running_requests": 64, "dp_size": 4}) == 256  # per DP replica
+    assert requests_in_flight({"max_running_requests": 64, "dp_size": 4, "max_in_flight": 8}) == 8
