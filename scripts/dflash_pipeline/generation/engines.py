@@ -318,6 +318,7 @@ class HTTPEngine:
             result = await self._complete_on(e, messages, params, max_new_tokens)
         finally:
             self._release(e)
+        e.completed += 1
         result.server = e.name
         return result
 
@@ -347,8 +348,6 @@ class HTTPEngine:
         except PermanentError:
             e.consecutive_failures = 0  # the server answered: it is healthy
             raise
-        finally:
-            e.completed += 1
 
     async def _post_api(self, e, messages, params, max_new_tokens) -> Completion:
         if self.api == "generate":
