@@ -613,3 +613,47 @@ def test_in_flight_follows_dp_replicas():
 
     assert requests_in_flight({"max_running_requests": 64, "dp_size": 4}) == 256  # per DP replica
     assert requests_in_flight({"max_running_requests": 64, "dp_size": 4, "max_in_flight": 8}) == 8
+
+
+def test_hf_sampling_is_seeded_per_sample_and_samples_the_right_distribution(tiny_target):
+    """The hf engine's sampling: a sample's tokens depend on its seed only (not on the batch it is in),
+    different seeds differ, and the first token's frequencies over many seeds follow the target's
+    temperature / top-k / top-p distribution (total variation distance)."""
+    import asyncio
+
+    import torch
+
+    from dflash_pipeline.generation.client import SamplingParams
+    from dflash_pipeline.generation.engines import HFEngine
+
+    prompts = [[{"role": "user", "content": f"Question {i}: {'why ' * i}?"}] for i in range(6)]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=100 + i) for i in range(6)]
+
+    async def run(batch_size, prompts, params, budget):
+        engine = HFEngine(str(tiny_target), batch_size=batch_size, threads=1, max_wait_s=0.2)
+        await engine.start()
+        try:
+            results = await asyncio.gather(*(engine.complete(m, p, budget) for m, p in zip(prompts, params)))
+        finally:
+            await engine.close()
+        return engine, [r.output_ids for r in results]
+
+    _, together = asyncio.run(run(6, prompts, params, 12))
+    _, alone = asyncio.run(run(1, prompts, params, 12))
+    assert together == alone and len({tuple(ids) for ids in together}) == 6
+    n = 600
+    engine, firsts = asyncio.run(run(n, prompts[:1] * n, [SamplingParams(temperature=0.8, top_p=0.9, top_k=20,
+                                                                         seed=s) for s in range(n)], 1))
+    ids = torch.tensor([engine.render(prompts[0], True)])
+    with torch.inference_mode():
+        logits = engine.model(ids).logits[0, -1] / 0.8
+    top = torch.softmax(logits, -1).topk(20)
+    q = top.values / top.values.sum()  # top-k, then top-p over the renormalized top-k (transformers' order)
+    keep = (q.cumsum(0) - q) < 0.9
+    want = q[keep] / q[keep].sum()
+    counts = torch.bincount(torch.tensor([f[0] for f in firsts]), minlength=logits.numel()).double()
+    assert counts.sum() == counts[top.indices[keep]].sum()  # nothing outside top-k / top-p is ever drawn
+    observed, expected = counts[top.indices[keep]], want.double() * n
+    chi2 = (((observed - expected) ** 2) / expected).sum().item()
+    df = int(keep.sum()) - 1
+    assert chi2 < df + 4.5 * (2 * df) ** 0.5  # far beyond the 99.9% quantile of chi-square(df) would fail

@@ -449,7 +449,8 @@ class RowSeededSampling:
             scores = warp(input_ids, scores)
         logp = torch.log_softmax(scores.float(), dim=-1)
         noise = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators])
-        gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)).clamp_min(1e-20))
+        exponential = -torch.log(noise.clamp_min(1e-20))  # > 0
+        gumbel = -torch.log(exponential.clamp_min(1e-20))
         return logp + gumbel.to(logp.device)
 
 
