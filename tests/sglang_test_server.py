@@ -27,6 +27,7 @@ environment variables (they cannot look like SGLang flags):
   a fraction of the POSTs fail with one of `500`/`503`, `drop` (connection closed, no response), `truncate`
   (body cut short), `delay`, `empty` (a 200 answer with empty content, chat), `400` (rejected for another
   reason than length), `abort` (HTTP 200 with finish_reason abort, as SGLang reports an aborted request).
+- `..._WITHOUT_MODEL_INFO=1`: `/model_info` answers 404 (an older server: only `/get_model_info`).
 - `..._DELAY` (latency of every request), `..._DIE_AFTER` N (`os._exit` on the N-th POST, like a crash),
   `..._STARTUP_DELAY` (seconds of 503 on /health), `..._STATS_FILE` (request counts, seeds and budgets as JSON).
 - Rate control (instant engine): `..._TOKENS_PER_S` simulates decoding: the server produces that many output
@@ -75,6 +76,7 @@ class Knobs:
     stats_file: str = ""
     tokens_per_s: float = 0.0
     answer_words_per_prompt_word: float = 0.0
+    without_model_info: int = 0  # 1: no /model_info (404), as servers before it was added: /get_model_info only
 
     @classmethod
     def from_env(cls) -> "Knobs":
@@ -437,7 +439,8 @@ def main(argv=None) -> None:
     app = web.Application(client_max_size=64 << 20)
     app.router.add_get("/health", server.health)
     app.router.add_get("/health_generate", server.health)
-    app.router.add_get("/model_info", server.model_info)
+    if not knobs.without_model_info:
+        app.router.add_get("/model_info", server.model_info)
     app.router.add_get("/get_model_info", server.model_info)  # deprecated alias in 0.5.23
     app.router.add_get("/v1/models", server.models)
     app.router.add_post("/v1/chat/completions", server.chat)

@@ -608,6 +608,24 @@ def test_bad_journal_lines_are_quarantined_and_the_run_goes_on(tmp_path, tiny_ta
     assert read_summary(out)["resumed_from_journal"] == 10 and "quarantined" not in again.stderr  # clean now
 
 
+def test_client_waits_through_warm_up_and_falls_back_to_get_model_info(tmp_path, tiny_target):
+    """/health answers 503 during warm-up: the run waits for it (within --all-down-timeout) instead of failing;
+    a server without /model_info is identified through /get_model_info."""
+    rows = write_shard(tmp_path / "in.parquet", 3, seed=36)
+    out = tmp_path / "s-00000.parquet"
+    server = SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", "--served-model-name", "served-name",
+                              engine="instant", startup_delay=4, without_model_info=1)
+    try:
+        proc = gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url,
+                   "--all-down-timeout", "60")
+    finally:
+        server.stop()
+    got = assert_one_row_per_sample(out, rows)
+    assert_answers_belong(got)
+    assert all(r["model"] == str(tiny_target) for r in got)  # model_path from /get_model_info
+    assert "weight_version default" in proc.stderr
+
+
 def test_in_flight_follows_dp_replicas():
     from dflash_pipeline.generation.servers import requests_in_flight
 
