@@ -3,6 +3,7 @@ tiny target, exactly-once under kill -9, faults, dead servers, and the sglang la
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -85,12 +86,18 @@ def im_end(model_dir) -> int:
     return AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<|im_end|>")
 
 
+@functools.lru_cache(maxsize=1)
+def _model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
 def greedy_continuation(model_dir, prompt_ids: list[int], n: int) -> list[int]:
     """What the target emits greedily after `prompt_ids`, through its end token."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = _model(model_dir)
     end = im_end(model_dir)
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=end,
