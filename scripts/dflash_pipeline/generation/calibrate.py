@@ -24,6 +24,7 @@ import contextlib
 import datetime as dt
 import json
 import math
+import random
 import signal
 import time
 from dataclasses import dataclass
@@ -244,6 +245,9 @@ def run(args) -> int:
     warm, rows, corpus = read_sample(args.input[0])
     if not rows:
         raise PipelineError(f"{args.input[0]}: the calibration sample is empty")
+    # the file is in stratum order (shortest prompts first): sent in that order, the requests that finish while
+    # the slots are busy (the steady-state figure) would be the short prompts only
+    random.Random(corpus.get("seed", 0)).shuffle(rows)
     previous = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         t_launch = time.monotonic()
