@@ -22,12 +22,12 @@ TOPICS = [
     ("add", "What is {a} plus {b}?", "{a} plus {b} is {s}. Adding the ones first and then the tens gives {s}."),
     ("mul", "Compute {a} times {b}.", "{a} times {b} equals {p}. You can check it by adding {a} to itself {b} times."),
     ("sub", "If I have {a} apples and give away {c}, how many are left?", "You have {d} apples left, because {a} minus {c} is {d}."),
-    ("code", "Write a Python function that returns the sum of a list of {b} numbers.", "Here is one way:\n\n```python\ndef total(xs):\n    return sum(xs)\n```\n\nFor {b} numbers it loops {b} times and returns {z} for an empty list."),
+    ("code", "Write a Python function that returns the sum of a list of {b} numbers.", "For {b} numbers, here is one way:\n\n```python\ndef total(xs):\n    return sum(xs)\n```\n\nIt loops {b} times and returns {z} for an empty list."),
     ("code2", "How do I reverse a string of length {a} in Python?", "Use slicing: `s[::-1]` returns the reversed string of length {a}. For example `'abc'[::-1]` is `'cba'`."),
     ("fact", "Tell me one fact about the number {a}.", "The number {a} is {parity}, and its square is {sq}."),
     ("explain", "Explain what a hash table with {a} buckets is.", "A hash table stores key-value pairs in an array of {a} buckets. A hash function maps each key to a bucket, so lookups take constant time on average."),
     ("story", "Write a two-sentence story about a {animal}.", "The {animal} woke before sunrise and walked to the river. By noon it had found {a} shiny stones and carried them home."),
-    ("advice", "Give me a tip for learning {lang}.", "Practice {lang} a little every day. Short daily sessions beat long weekly ones, and reading real text helps most."),
+    ("advice", "Give me a tip for learning {lang}.", "Practice {lang} for {b} minutes every day. Short daily sessions beat long weekly ones, and reading real text helps most."),
 ]
 ANIMALS = ["fox", "owl", "cat", "whale", "ant", "heron"]
 LANGS = ["Spanish", "Rust", "piano", "chess", "French", "calculus"]
