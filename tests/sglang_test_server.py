@@ -13,6 +13,7 @@ Checked against the sglang==0.5.23 wheel (`srt/entrypoints/http_server.py`, `ope
 - `POST /v1/chat/completions` (OpenAI-style; with `--reasoning-parser` the thinking comes separately in
   `message.reasoning_content`; `seed`; with `return_token_ids`: `choices[0].prompt_token_ids` and
   `response_token_ids`). Errors: `{"object": "error", "message", "type": "BadRequestError", "param", "code"}`.
+- `--api-key K`: every path but `/health` needs `Authorization: Bearer K`, else 401 `{"error": "Unauthorized"}`.
 - Context: input >= context length, or input + max_new_tokens > context length, is HTTP 400 with SGLang's
   exact wording. The context length is `--context-length`, else the model's `max_position_embeddings`.
 
@@ -432,11 +433,26 @@ class Server:
         self._stats()
 
 
+def api_key_middleware(api_key: str):
+    """SGLang's --api-key: every path but /health, /ready and /metrics needs `Authorization: Bearer KEY`."""
+
+    @web.middleware
+    async def check(request, handler):
+        if request.path.startswith(("/health", "/ready", "/metrics")):
+            return await handler(request)
+        if request.headers.get("Authorization", "") != f"Bearer {api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     knobs = Knobs.from_env()
     server = Server(args, knobs)
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=64 << 20,
+                          middlewares=[api_key_middleware(args.api_key)] if args.api_key else [])
     app.router.add_get("/health", server.health)
     app.router.add_get("/health_generate", server.health)
     if not knobs.without_model_info:

@@ -328,10 +328,11 @@ def test_sglang_backend_launches_and_always_stops_its_server(tmp_path, tiny_targ
     rows = write_shard(tmp_path / "in.parquet", 20, seed=9)
     out = tmp_path / "s-00000.parquet"
     stats = tmp_path / "stats.json"
-    env = {**os.environ, **knob_env(engine="instant", delay=0.3, stats_file=stats, startup_delay=0.5)}
+    env = {**os.environ, **knob_env(engine="instant", delay=0.3, stats_file=stats, startup_delay=0.5),
+           "DFLASH_GENERATE_API_KEY": "s3cret-token"}  # the launcher passes it as --api-key, the client sends it
     cfg = {"launch_command": [sys.executable, str(SERVER)], "reasoning_parser": "qwen3", "mem_fraction_static": 0.8,
            "context_length": 4096, "instances": 2, "max_in_flight": 2, "startup_timeout_s": 60,
-           "mamba_radix_cache_strategy": "extra_buffer", "extra_args": ["--api-key", "s3cret-token"]}
+           "mamba_radix_cache_strategy": "extra_buffer"}
     args = ["--backend", "sglang", "--model", str(tiny_target), "--sglang-json", json.dumps(cfg),
             "--server-log-dir", str(tmp_path / "logs"), "--devices", "0,1"]
     cmd = [str(BIN / "dflash-pipeline"), "generate", "--input", str(tmp_path / "in.parquet"), "--out", str(out),
@@ -631,6 +632,22 @@ def test_client_waits_through_warm_up_and_falls_back_to_get_model_info(tmp_path,
     assert_answers_belong(got)
     assert all(r["model"] == str(tiny_target) for r in got)  # model_path from /get_model_info
     assert "weight_version default" in proc.stderr
+
+
+def test_api_key_from_the_environment_only(tmp_path, tiny_target):
+    """A server started with --api-key answers 401 without it; the key comes from DFLASH_GENERATE_API_KEY (never
+    a command line or the config) and is nowhere in the log, the journal or the shard."""
+    rows = write_shard(tmp_path / "in.parquet", 20, seed=37)
+    out = tmp_path / "s-00000.parquet"
+    key = "sk-test-0123456789"
+    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", "--api-key", key, engine="instant") as server:
+        proc = gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url, check=False)
+        assert proc.returncode == 2 and "HTTP 401" in proc.stderr and "Unauthorized" in proc.stderr
+        proc = gen(tmp_path / "in.parquet", out, "--backend", "servers", "--servers", server.url,
+                   env={**os.environ, "DFLASH_GENERATE_API_KEY": key})
+    assert_answers_belong(assert_one_row_per_sample(out, rows))
+    stored = (tmp_path / "journal" / "s-00000.jsonl").read_text() + out.read_bytes().decode("latin-1")
+    assert key not in proc.stderr and key not in stored
 
 
 def test_in_flight_follows_dp_replicas():

@@ -137,7 +137,8 @@ class HTTPEngine:
     def __init__(self, urls: list[str], *, max_in_flight: int = 64, request_timeout_s: float = 3600.0,
                  api: str = "chat", model: str | None = None, render=None, context_length: int | None = None,
                  dead_after: int = 3, revive_after_s: float = 5.0, revive_max_s: float = 120.0,
-                 all_down_timeout_s: float = 600.0, connect_timeout_s: float = 10.0, health_timeout_s: float = 30.0):
+                 all_down_timeout_s: float = 600.0, connect_timeout_s: float = 10.0, health_timeout_s: float = 30.0,
+                 api_key: str | None = None):
         if not urls:
             raise PipelineError("generate: no server URLs")
         if api == "generate" and render is None:
@@ -149,6 +150,7 @@ class HTTPEngine:
         self.api = api
         self.model = model
         self.render = render
+        self.api_key = api_key  # SGLang --api-key: sent as a bearer token, never logged
         self.context_length = context_length
         self.weight_version: str | None = None
         self.dead_after = dead_after
@@ -188,6 +190,7 @@ class HTTPEngine:
 
         self._slot_freed = asyncio.Event()
         self._session = aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None,
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s),
         )

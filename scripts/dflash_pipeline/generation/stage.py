@@ -29,6 +29,8 @@ from dflash_pipeline.generation.journal import RECORD_FORMAT
 from dflash_pipeline.generation.shards import ShardJob
 
 LOG = logging.getLogger("dflash_pipeline.generation.stage")
+# the servers' API key (SGLang --api-key) comes from the environment, never from a command line or config file
+API_KEY_ENV = "DFLASH_GENERATE_API_KEY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -283,7 +285,8 @@ def make_engine(args, urls: list[str] | None = None):
         render = chat_renderer(args.model, trust_remote_code=args.trust_remote_code)
     return HTTPEngine(urls or args.servers, max_in_flight=args.max_in_flight, request_timeout_s=args.request_timeout,
                       api=args.api, model=args.model_name or None, render=render, context_length=args.context_length,
-                      all_down_timeout_s=args.all_down_timeout, revive_after_s=args.revive_after)
+                      all_down_timeout_s=args.all_down_timeout, revive_after_s=args.revive_after,
+                      api_key=os.environ.get(API_KEY_ENV) or None)
 
 
 async def _amain(jobs, args, urls) -> list[dict]:
@@ -317,6 +320,8 @@ def serving(args):
         raise PipelineError("--backend sglang needs --model")
     cfg = json.loads(args.sglang_json)
     command = sglang_command(args.model, cfg, trust_remote_code=args.trust_remote_code)  # checked: fails here
+    if os.environ.get(API_KEY_ENV):
+        command += ["--api-key", os.environ[API_KEY_ENV]]  # hidden in every logged command
     devices = args.devices or os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = [d for d in devices.split(",") if d.strip()] if devices else None
     args.max_in_flight = requests_in_flight(cfg)
