@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import yaml
 
 from conftest import run_cli
 from dflash_pipeline.data.conversations import SAMPLE_SCHEMA, sample_id
@@ -118,18 +119,19 @@ def test_projection_within_ten_percent_of_the_measured_full_run(tmp_path, tiny_t
 def test_workflow_gate_stops_before_generation_and_reruns_do_not_recalibrate(tmp_path, tiny_target):
     """One real Snakemake run (tiny demo config, hf backend on CPU) up to the generation gate."""
     work = make_workdir(tmp_path / "run", model=tiny_target)
+    wanted = yaml.safe_load((work / "tiny.yaml").read_text())["generate"]["calibrate"]
     configs = ("tiny.yaml", "limit.yaml")
     (work / "limit.yaml").write_text("generate:\n  max_wall_hours: 1.0e-07\n")
     proc = snakemake(work, "--cores", "2", configfiles=configs, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "GENERATION GATE: STOP before the full generation" in out and "exceeds generate.max_wall_hours" in out
-    assert "CALIBRATION (16 samples" in out and "what changes it" in out  # measured figures, then alternatives
+    assert f"CALIBRATION ({wanted['samples']} samples" in out and "what changes it" in out  # figures, alternatives
     assert not list((work / "results").glob("completions/*.parquet")), "nothing may be generated"
     cal = work / "results/calibration/generation.json"
     figures = json.loads(cal.read_text())
-    assert figures["requests"]["samples"] == 16 and figures["startup_s"] > 0
-    assert figures["window"]["warmup_requests"] == 4
+    assert figures["requests"]["samples"] == wanted["samples"] and figures["startup_s"] > 0
+    assert figures["window"]["warmup_requests"] == wanted["warmup_requests"]
     plan = json.loads((work / "results/plan.json").read_text())
     assert plan["generation"]["wall_hours"] > 1.0e-07 and plan["generation"]["samples"] == plan["samples"]
     stamp = cal.stat().st_mtime_ns
