@@ -1,14 +1,25 @@
-"""The shipped configs validate against the schema, and the real-run example plans with Snakemake."""
+"""The shipped configs validate against the schema, and the real-run example (Qwen3-8B, SGLang generation, offline
+training on 8 GPUs) plans the whole pipeline with Snakemake: every stage's jobs, their GPU resources, and
+settings that the stages themselves accept."""
 
 from __future__ import annotations
 
+import argparse
 import copy
+import importlib
+import json
+import re
+import shlex
 
 import jsonschema
+import pytest
 import yaml
 
 from conftest import REPO
-from test_audit_gate import snakemake
+from dflash_pipeline.cli import STAGES, apply_settings
+from workflow_runs import make_workdir, planned, snakemake
+
+SCHEMA = REPO / "config" / "schema.yaml"
 
 
 def merged(*names: str) -> dict:
@@ -27,17 +38,80 @@ def merged(*names: str) -> dict:
 
 
 def test_configs_validate():
-    schema = yaml.safe_load((REPO / "config/schema.yaml").read_text())
+    schema = yaml.safe_load(SCHEMA.read_text())
     jsonschema.validate(merged("config.yaml"), schema)
     jsonschema.validate(merged("config.yaml", "qwen3-8b.example.yaml"), schema)
+    jsonschema.validate(merged("config.yaml", "seed_scale.yaml"), schema)
+    with pytest.raises(jsonschema.ValidationError, match="'trian' was unexpected"):
+        jsonschema.validate({**merged("config.yaml"), "trian": {}}, schema)
 
 
-def test_example_plans_with_snakemake(tmp_path, tiny_target, demo_raw):
-    """The Qwen3-8B example (sglang generation, offline training on 8 GPUs) builds a DAG: inputs and
-    model pointed at local stand-ins, the rest of the example unchanged."""
+def _commands(dry_run_output: str) -> dict[str, list[list[str]]]:
+    """{rule: [argv of each planned job's shell command]} from `snakemake -n -p` output."""
+    by_rule: dict[str, list[list[str]]] = {}
+    rule = None
+    for line in dry_run_output.splitlines():
+        m = re.match(r"^(?:local)?(?:rule|checkpoint) (\w+):", line)
+        if m:
+            rule = m.group(1)
+        elif line.startswith("Shell command: ") and rule:
+            by_rule.setdefault(rule, []).append(shlex.split(line.removeprefix("Shell command: ")))
+    return by_rule
+
+
+def _stage_call(argv: list[str]) -> tuple[str | None, str | None]:
+    """The last `dflash-pipeline STAGE` of a command line (after with-gpus/launch-torchrun) and its --settings."""
+    starts = [i for i, a in enumerate(argv) if a == "dflash-pipeline"]
+    if not starts:
+        return None, None  # a plain shell job (copying a group's files)
+    rest = argv[starts[-1] + 1:]
+    settings = rest[rest.index("--settings") + 1] if "--settings" in rest else None
+    return rest[0], settings
+
+
+@pytest.mark.slow
+def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
+    """Inputs and model point at local stand-ins, the rest of the example is unchanged. The manifest runs for real
+    (so the dry run sees every shard), then the plan is checked job by job."""
     cfg = merged("qwen3-8b.example.yaml")
     cfg["inputs"] = [str(p) for p in sorted(demo_raw.iterdir())]
     cfg["target"]["model_path"] = str(tiny_target)
-    proc = snakemake(tmp_path, "-n", "--resources", "gpu=8", config=cfg, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ingest" in proc.stdout and "manifest" in proc.stdout
+    work = make_workdir(tmp_path / "w")
+    (work / "example.yaml").write_text(yaml.safe_dump(cfg))
+    configs = ("example.yaml",)
+    snakemake(work, "results/ingest/manifest.json", "--cores", "2", configfiles=configs)
+    shards = json.loads((work / "results/ingest/manifest.json").read_text())["shards"]
+    n, files = len(shards), len({s["src"] for s in shards})
+    proc = snakemake(work, "-n", "-p", "--resources", "gpu=8", configfiles=configs)
+    plan = planned(proc)
+    expect = {"shard": n, "tokenize": 2 * n, "audit": 2, "gate": 2, "calibration_sample": 1, "calibrate": 1,
+              "plan": 1, "generation_gate": 1, "generate_group": files, "completions_from_group": n, "extract": n,
+              "train": 1, "export": 1, "evaluate": 1, "evaluate_gate": 1, "run_report": 1, "all": 1}
+    assert plan == expect, plan
+
+    out = proc.stdout + proc.stderr
+    commands = _commands(out)
+    # GPU resources of the example: generation on 8 GPUs (dp 8), extraction on 1, training on 8 of one node
+    resources = dict(re.findall(r"rule (\w+):\n(?:    .*\n)*?    resources: (.*)", out))
+    assert "gpu=8" in resources["generate_group"] and "gpu=8" in resources["train"]
+    assert "gpu=1" in resources["extract"] and "gpu=1" in resources["evaluate"]
+    sglang = json.loads(commands["generate_group"][0][commands["generate_group"][0].index("--sglang-json") + 1])
+    assert sglang["dp_size"] == 8 and sglang["context_length"] == 16384
+
+    # every --settings the workflow passes is accepted by its stage, and carries the example's values
+    seen = {}
+    for rule, argvs in commands.items():
+        for argv in argvs:
+            stage_name, settings = _stage_call(argv)
+            if settings is None:
+                continue
+            stage = STAGES[stage_name]
+            parser = argparse.ArgumentParser()
+            getattr(importlib.import_module(stage.module), stage.add_arguments)(parser)
+            apply_settings(parser, settings, stage.section, stage_name)  # raises on an unknown key
+            seen[stage_name] = json.loads(settings)
+    assert {"tokenize", "extract", "train", "export", "evaluate"} <= set(seen), sorted(seen)
+    assert seen["extract"]["encode_threads"] == 12 and seen["extract"]["token_budget"] == 16384
+    assert seen["train"]["batch_size"] == 4 and seen["train"]["compile"] is True and seen["train"]["num_layers"] == 5
+    assert "gpus" not in seen["train"] and "gpus" not in seen["extract"] and "gpus" not in seen["evaluate"]
+    assert seen["evaluate"]["num_prompts"] == 200 and seen["tokenize"]["max_length"] == 3072

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 
 import pytest
 
-from conftest import BIN, REPO
 from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
+from workflow_runs import make_workdir, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -24,22 +21,12 @@ audit:
 
 
 def _snakemake(workdir, *targets):
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1")
-    cmd = [str(BIN / "snakemake"), *targets, "--profile", "profiles/local", "--configfile", "tiny.yaml", "extra.yaml"]
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    return proc
+    return snakemake(workdir, *targets, configfiles=("tiny.yaml", "extra.yaml"))
 
 
 def test_plan_then_extract_one_shard(tiny_target, tmp_path):
-    wd = tmp_path / "wf"
-    wd.mkdir()
-    for name in ("Snakefile", "rules", "config", "envs", "profiles"):
-        src = REPO / name
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, wd / name)
-    shutil.copy2(REPO / "tests" / "configs" / "tiny.yaml", wd / "tiny.yaml")
+    wd = make_workdir(tmp_path / "wf", model=tiny_target)
     (wd / "extra.yaml").write_text(EXTRA)
-    shutil.copytree(tiny_target, wd / "resources" / "demo-target")
 
     proc = _snakemake(wd, "results/plan.txt")
     assert "PLAN (before any GPU work)" in proc.stdout + proc.stderr  # shown on the terminal
