@@ -206,64 +206,43 @@ GEN_HF = GEN.get("hf") or {}
 GEN_SGLANG = GEN.get("sglang") or {}
 
 
-def _opt(flag, value):
-    return f"{flag} {value}" if value not in (None, "", []) else ""
-
-
-def generate_flags():
-    """The stage's command-line flags from config `generate:` (everything but the files)."""
-    g = GEN
-    flags = [
-        f"--backend {g['backend']}",
-        f"--max-new-tokens {g['max_new_tokens']}",
-        f"--temperature {g['temperature']}",
-        f"--top-p {g['top_p']}",
-        f"--top-k {g['top_k']}",
-        _opt("--seed", g.get("seed")),
-        "--enable-thinking" if g["enable_thinking"] else "--no-enable-thinking",
-        f"--turns {g['turns']}",
-        f"--on-length {g['on_length']}",
-        f"--length-retry-max-new-tokens {g['length_retry_max_new_tokens']}",
-        f"--max-retries {g['max_retries']}",
-        f"--empty-retries {g['empty_retries']}",
-        "" if g["retry_failed"] else "--no-retry-failed",
-        f"--flush-every {g['journal_flush_every']}",
-        f"--progress-interval {g['progress_interval_s']}",
-        f"--api {g['api']}",
-        f"--max-in-flight {g['max_in_flight']}",
-        f"--request-timeout {g['request_timeout_s']}",
-        f"--all-down-timeout {g['all_down_timeout_s']}",
-        _opt("--model-name", shlex.quote(g["model_name"]) if g.get("model_name") else ""),
-        "--trust-remote-code" if config["target"].get("trust_remote_code") else "",
-    ]
-    if g["backend"] == "hf":
-        flags += [
-            f"--batch-size {GEN_HF.get('batch_size', 32)}",
-            f"--device {GEN_HF.get('device', 'cpu')}",
-            f"--dtype {GEN_HF.get('dtype', 'auto')}",
-            _opt("--threads", GEN_HF.get("threads")),
-            _opt("--context-length", GEN_HF.get("context_length")),
-        ]
-    elif g["backend"] == "servers":
-        if not g["servers"]:
+def generation_backend_settings():
+    """The backend's own settings for `generate` and `calibrate` (hf in-process, running servers, or sglang)."""
+    if GEN["backend"] == "hf":
+        hf_keys = ("batch_size", "device", "dtype", "threads", "context_length")
+        return {k: GEN_HF[k] for k in hf_keys if GEN_HF.get(k) not in (None, "")}
+    if GEN["backend"] == "servers":
+        if not GEN["servers"]:
             raise WorkflowError("generate.backend is 'servers' but generate.servers lists no endpoint")
-        flags.append(f"--servers {' '.join(shlex.quote(u) for u in g['servers'])}")
-    else:
-        if g["gpus"] < 1:
-            raise WorkflowError(
-                "generate.backend is 'sglang' but generate.gpus is 0: give each job its GPUs "
-                "(tp_size x dp_size x instances)"
-            )
-        flags.append(f"--sglang-json {shlex.quote(json.dumps(GEN_SGLANG, sort_keys=True))}")
+        return {"servers": GEN["servers"]}
+    if GEN["gpus"] < 1:
+        raise WorkflowError(
+            "generate.backend is 'sglang' but generate.gpus is 0: give each job its GPUs (tp_size x dp_size x instances)"
+        )
+    return {"sglang_json": json.dumps(GEN_SGLANG, sort_keys=True)}
+
+
+def generate_settings():
+    """`generate:` as the stage's --settings: sampling, backend, retry policy and journal (option names where they
+    differ from the config's); not the resources, the calibration or the gate's limits."""
+    keys = ["backend", "api", "max_in_flight", "max_new_tokens", "temperature", "top_p", "top_k", "seed"]
+    keys += ["enable_thinking", "turns", "on_length", "length_retry_max_new_tokens", "model_name"]
+    keys += ["max_retries", "empty_retries", "retry_failed"]
     mirror = GEN.get("journal_mirror") or ""
-    prefix = getattr(workflow.storage_settings, "default_storage_prefix", None) or ""
-    if not mirror and str(prefix).startswith("s3://"):
-        mirror = f"{str(prefix).rstrip('/')}/{R}/completions/journal"  # outputs on S3: journals follow them
-    flags.append(_opt("--journal-mirror", shlex.quote(mirror) if mirror else ""))
-    return " ".join(f for f in flags if f)
+    prefix = str(getattr(workflow.storage_settings, "default_storage_prefix", None) or "")
+    if not mirror and prefix.startswith("s3://"):
+        mirror = f"{prefix.rstrip('/')}/{R}/completions/journal"  # outputs on S3: journals follow them
+    renamed = dict(
+        flush_every=GEN["journal_flush_every"],
+        progress_interval=GEN["progress_interval_s"],
+        request_timeout=GEN["request_timeout_s"],
+        all_down_timeout=GEN["all_down_timeout_s"],
+        journal_mirror=mirror,
+    )
+    return stage_settings("generate", keys=keys, **renamed, **generation_backend_settings(), **TRUST)
 
 
-GEN_FLAGS = generate_flags() if GEN["enabled"] else ""
+GEN_SETTINGS = generate_settings() if GEN["enabled"] else "{}"
 GEN_ENV = ENV_GPU if GEN["backend"] == "sglang" else ENV_CPU
 GEN_RESOURCES = dict(gpu=GEN["gpus"], runtime=GEN["runtime_min"], mem_mb=GEN["mem_mb"])
 
@@ -298,15 +277,7 @@ def calibration_settings():
     calibrate rule's params, so nothing else (limits, progress, retries, resources) recalibrates."""
     keys = ["backend", "api", "max_in_flight", "max_new_tokens", "temperature", "top_p", "top_k", "seed"]
     keys += ["enable_thinking", "turns", "on_length", "length_retry_max_new_tokens", "model_name"]
-    extra = dict(TRUST)
-    if GEN["backend"] == "hf":
-        hf_keys = ("batch_size", "device", "dtype", "threads", "context_length")
-        extra.update({k: GEN_HF[k] for k in hf_keys if GEN_HF.get(k) not in (None, "")})
-    elif GEN["backend"] == "servers":
-        extra["servers"] = GEN["servers"]
-    else:
-        extra["sglang_json"] = json.dumps(GEN_SGLANG, sort_keys=True)
-    return stage_settings("generate", keys=keys, **extra)
+    return stage_settings("generate", keys=keys, **generation_backend_settings(), **TRUST)
 
 
 def generation_limits():

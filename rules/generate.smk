@@ -35,11 +35,11 @@ if GEN["enabled"] and GEN["shards_per_job"] == 1:
             model=lambda wc, input: target_model_dir(input.model),
             journal=os.path.join(R, "completions/journal"),
             server_logs=lambda wc: log(f"generate/{wc.shard}.servers").removesuffix(".log"),
-            flags=GEN_FLAGS,
+            settings=GEN_SETTINGS,
         shell:
             "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline generate --input {input.shard:q} --out {output.completions:q} --model {params.model:q} "
             "--journal-dir {params.journal:q} --server-log-dir {params.server_logs:q} --calibration {input.calibration:q} "
-            "{params.flags} > {log:q} 2>&1"
+            "--settings {params.settings:q} > {log:q} 2>&1"
 
 elif GEN["enabled"]:
 
@@ -72,11 +72,11 @@ elif GEN["enabled"]:
             ],
             journal=os.path.join(R, "completions/journal"),
             server_logs=lambda wc: log(f"generate/{wc.gengroup}.servers").removesuffix(".log"),
-            flags=GEN_FLAGS,
+            settings=GEN_SETTINGS,
         shell:
             "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline generate --input {input.shards:q} --out {params.outs:q} --model {params.model:q} "
             "--journal-dir {params.journal:q} --server-log-dir {params.server_logs:q} --calibration {input.calibration:q} "
-            "{params.flags} > {log:q} 2>&1"
+            "--settings {params.settings:q} > {log:q} 2>&1"
 
     rule completions_from_group:
         input:

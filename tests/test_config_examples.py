@@ -95,7 +95,8 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
     resources = dict(re.findall(r"rule (\w+):\n(?:    .*\n)*?    resources: (.*)", out))
     assert "gpu=8" in resources["generate_group"] and "gpu=8" in resources["train"]
     assert "gpu=1" in resources["extract"] and "gpu=1" in resources["evaluate"]
-    sglang = json.loads(commands["generate_group"][0][commands["generate_group"][0].index("--sglang-json") + 1])
+    generate_argv = commands["generate_group"][0]
+    sglang = json.loads(json.loads(generate_argv[generate_argv.index("--settings") + 1])["sglang_json"])
     assert sglang["dp_size"] == 8 and sglang["context_length"] == 16384
 
     # every --settings the workflow passes is accepted by its stage, and carries the example's values
@@ -115,3 +116,5 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
     assert seen["train"]["batch_size"] == 4 and seen["train"]["compile"] is True and seen["train"]["num_layers"] == 5
     assert "gpus" not in seen["train"] and "gpus" not in seen["extract"] and "gpus" not in seen["evaluate"]
     assert seen["evaluate"]["num_prompts"] == 200 and seen["tokenize"]["max_length"] == 3072
+    assert seen["generate"]["temperature"] == 0.6 and seen["generate"]["backend"] == "sglang"
+    assert not {"gpus", "mem_mb", "runtime_min", "calibrate", "max_wall_hours"} & set(seen["generate"])
