@@ -81,7 +81,8 @@ def test_pipeline_on_s3(s3_server, tmp_path):
     one = time.monotonic() - t0
     after = _objects(client)
     assert lost in after
-    assert {k for k in after if after[k] != objects.get(k)} <= {lost, f"results/logs/shard/{shards[1]}.log"}
+    assert {k for k in after if after[k] != objects.get(k)} <= {lost, f"results/logs/shard/{shards[1]}.log",
+                                                               f"results/benchmarks/shard/{shards[1]}.tsv"}
     # its new upload time makes that shard's consumers out of date (objects carry no checksum), and only
     # that shard's: no job of another shard is planned
     rest = run("-n")
