@@ -10,7 +10,7 @@ from snakemake.utils import validate
 
 from dflash_pipeline.cluster.launch_torchrun import train_resources
 
-validate(config, "../config/schema.yaml")
+validate(config, "schemas/config.schema.yaml")
 
 R = config["results"]
 # Every rule calls a stage of the project's command, `dflash-pipeline`. When snakemake runs from a venv that is

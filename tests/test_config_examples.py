@@ -19,7 +19,7 @@ from conftest import REPO
 from dflash_pipeline.cli import STAGES, apply_settings
 from workflow_runs import make_workdir, planned, snakemake
 
-SCHEMA = REPO / "config" / "schema.yaml"
+SCHEMA = REPO / "rules" / "schemas" / "config.schema.yaml"
 
 
 def merged(*names: str) -> dict:

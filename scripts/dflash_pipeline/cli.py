@@ -6,8 +6,8 @@ one runs it with the parsed arguments and returns an exit code (or None for 0).
 
 Settings: the workflow hands a stage its config section as one JSON object (`--settings '{...}'`): keys are the
 stage's long options with underscores; an unknown key is an error. Defaults for keys the config schema knows
-come from the schema (config/schema.yaml), so one file states them; an explicit option on the command line wins
-over both.
+come from the schema (rules/schemas/config.schema.yaml), so one file states them; an explicit option on the
+command line wins over both.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from dflash_pipeline import storage
 from dflash_pipeline.errors import PipelineError
 
-SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+SCHEMA = Path(__file__).resolve().parents[2] / "rules" / "schemas" / "config.schema.yaml"
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ STAGES = {
     "plan": Stage("dflash_pipeline.planning.plan", "add_arguments", "run",
                   "print samples, tokens, bytes and GPU hours before the GPU starts"),
     "generation-gate": Stage("dflash_pipeline.planning.plan", "add_generation_gate_arguments", "run_generation_gate",
-                             "stop before the full generation when its projected wall time or GPU hours exceed the limits"),
+                             "stop before the full generation when its projected wall time or GPU hours exceed the "
+                             "limits"),
     "hidden-verify": Stage("dflash_pipeline.hidden_states.verify", "add_arguments", "run",
                            "check hidden-state shards (footer, index, every checksum)"),
     "train": Stage("dflash_pipeline.drafter.train", "add_arguments", "run", "train the DFlash drafter", "train"),

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ExtractSettings:
-    """How to extract. Defaults of the keys config/schema.yaml's `extract` section has are the schema's."""
+    """How to extract. Defaults of the keys the schema's `extract` section has (rules/schemas/config.schema.yaml)
+    are the schema's."""
 
     layer_ids: list | None = None       # explicit target layer ids, else from drafter_config
     drafter_config: dict | None = None  # the config's drafter section (target_layer_ids or num_layers)
@@ -251,7 +252,7 @@ def extract_shard(tokens_path: str, model_path: str, out_path: str, settings: Ex
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    # defaults as config/schema.yaml's extract section states them (the workflow passes them as --settings)
+    # defaults as the schema's extract section states them (the workflow passes them as --settings)
     p.add_argument("--tokens", required=True, help="token shard (parquet: sample_id, input_ids, loss_mask)")
     p.add_argument("--model", required=True, help="target model directory")
     p.add_argument("--out", required=True, help="hidden-state shard to write (.dfhs)")
