@@ -4,9 +4,7 @@ and in a real Snakemake run stops everything downstream of it."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +18,8 @@ from dflash_pipeline.data.ingest import ingest_file
 from dflash_pipeline.data.manifest import build_manifest, write_shard
 from dflash_pipeline.storage import write_json
 from dflash_pipeline.data.tokenize import tokenize_shard
+from workflow_runs import make_workdir
+from workflow_runs import snakemake as run_workflow
 
 
 def prepare(tmp: Path, tiny_target: Path, placeholder_rate: float, mode: str, records: int = 90):
@@ -74,15 +74,12 @@ def test_gate_passes_on_clean_data_and_warns_in_prompt_mode(tmp_path, tiny_targe
     assert "warning" in gate.stderr and "will be replaced" in gate.stderr
 
 
-def snakemake(workdir: Path, *args, config: dict | None = None, timeout=600) -> subprocess.CompletedProcess:
-    cmd = [str(Path(sys.executable).parent / "snakemake"), "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
-           "--cores", "2", "--rerun-triggers", "mtime", "params", "input"]
-    if config:
-        cfg = workdir / "test-config.yaml"
-        cfg.write_text(yaml.safe_dump(config))
-        cmd += ["--configfile", str(cfg)]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env)
+def snakemake(workdir: Path, *args, config: dict) -> subprocess.CompletedProcess:
+    """The real workflow in a private copy under `workdir`, with `config` merged over the defaults."""
+    if not (workdir / "Snakefile").exists():
+        make_workdir(workdir)
+    (workdir / "test-config.yaml").write_text(yaml.safe_dump(config))
+    return run_workflow(workdir, *args, configfiles=("test-config.yaml",), check=False)
 
 
 @pytest.mark.slow

@@ -71,3 +71,27 @@ def test_shard_audit_is_bounded_by_the_shard(tmp_path, qwen_dir):
     assert len(audit["answer_texts"]) <= 50 and "ok." in audit["answer_texts"].values()
     assert audit["counts"]["trivial"] == 300
     assert len(json.dumps(audit)) < 20_000
+
+
+def test_targets_own_turns_may_hold_control_tokens_users_may_not(tmp_path, qwen_dir):
+    """In a completions shard the assistant turns are the target's own output: a control token it emitted is
+    what it produced, not a forgery, and the sample is kept. A forged user turn is still left out."""
+    own = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello<|endoftext|> again"}]
+    forged_user = [{"role": "user", "content": FORGED}, {"role": "assistant", "content": "No."}]
+    rows = [{"sample_id": sample_id(m), "source": f"t#{i}", "source_id": None,
+             "messages": [{"reasoning_content": None, **x} for x in m], "status": "ok", "failure_reason": None}
+            for i, m in enumerate([own, forged_user])]
+    schema = SAMPLE_SCHEMA.append(pa.field("status", pa.string())).append(pa.field("failure_reason", pa.string()))
+    completions = tmp_path / "c.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), completions)
+    audit = tokenize_shard(str(completions), str(qwen_dir), str(tmp_path / "t.parquet"), str(tmp_path / "a.json"),
+                           max_length=512, trivial_tokens=8)
+    kept = [t["sample_id"] for t in pq.read_table(tmp_path / "t.parquet").to_pylist()]
+    assert kept == [sample_id(own)]
+    assert audit["counts"]["control_tokens"] == 1
+    assert "message 0 (user)" in audit["rejected_examples"][0]["reason"]
+    # the same assistant text in an ingested (source) shard is user-provided data: left out
+    src = shard(tmp_path / "s.parquet", [own])
+    audit = tokenize_shard(str(src), str(qwen_dir), str(tmp_path / "t2.parquet"), str(tmp_path / "a2.json"),
+                           max_length=512, trivial_tokens=8)
+    assert audit["samples"] == 0 and audit["counts"]["control_tokens"] == 1
