@@ -21,6 +21,7 @@ from generation_helpers import (
     SERVER, SGLangTestServer, free_port, knob_env, read_completions, read_summary, write_shard,
 )
 from sglang_test_server import instant_answer
+from workflow_runs import make_workdir, planned, snakemake
 
 FAST = ["--backoff-base", "0.02", "--backoff-max", "0.2", "--revive-after", "0.5", "--progress-interval", "0.5",
         "--max-new-tokens", "64"]
@@ -456,29 +457,17 @@ def pa_buffer(obj):
 def test_workflow_plans_one_generation_job_per_group_of_shards(tmp_path, tiny_target):
     """The real Snakefile with generate.shards_per_job = 2 plans one generation job per two shards (the job
     that runs several shards through one engine is tested above; the full run is the demo's)."""
-    import re
-    import shutil
-
-    work = tmp_path / "wf"
-    work.mkdir()
-    for name in ("Snakefile", "rules", "config", "envs", "profiles"):
-        src = REPO / name
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, work / name)
-    shutil.copy2(REPO / "tests" / "configs" / "tiny.yaml", work / "tiny.yaml")
-    shutil.copytree(tiny_target, work / "resources" / "demo-target")
+    work = make_workdir(tmp_path / "wf", model=tiny_target)
     (work / "group.yaml").write_text("ingest:\n  shard_size: 12\ngenerate:\n  shards_per_job: 2\n")
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
-    opts = ["--profile", "profiles/local", "--configfile", "tiny.yaml", "group.yaml"]  # targets go first
-    subprocess.run([str(BIN / "snakemake"), "results/ingest/manifest.json", *opts], cwd=work, env=env, check=True,
-                   capture_output=True)
+    configs = ("tiny.yaml", "group.yaml")
+    snakemake(work, "results/ingest/manifest.json", configfiles=configs)
     shards = [s["shard"] for s in json.loads((work / "results/ingest/manifest.json").read_text())["shards"]]
     groups = {s.rsplit("-", 1)[0] + "-g" + f"{int(s.rsplit('-', 1)[1]) // 2:05d}" for s in shards}
     assert len(groups) < len(shards)
-    proc = subprocess.run([str(BIN / "snakemake"), "-n", *[f"results/completions/{s}.parquet" for s in shards],
-                           *opts], cwd=work, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = snakemake(work, "-n", *[f"results/completions/{s}.parquet" for s in shards], configfiles=configs)
     out = proc.stdout + proc.stderr
-    assert re.search(rf"generate_group\s+{len(groups)}\n", out) and re.search(rf"completions_from_group\s+{len(shards)}\n", out)
+    plan = planned(proc)
+    assert plan["generate_group"] == len(groups) and plan["completions_from_group"] == len(shards), plan
     for g in groups:
         assert f"results/completions/groups/{g}" in out
 
