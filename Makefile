@@ -20,7 +20,7 @@ demo: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH snakemake --cores $(CORES) --profile profiles/local
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 clean-demo:
 	rm -rf results resources data/demo .snakemake

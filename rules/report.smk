@@ -39,3 +39,6 @@ localrules:
     gate,
     evaluate_gate,
     run_report,
+    plan,
+    calibration_sample,
+    export,
