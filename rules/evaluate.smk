@@ -21,7 +21,7 @@ rule evaluate:
         gpu=EVAL["gpus"],
     params:
         model=lambda wc, input: target_model_dir(input.model),
-        settings=stage_settings("evaluate"),
+        settings=stage_settings("evaluate", **TRUST),
     shell:
         "dflash-pipeline with-gpus --n {resources.gpu} -- "
         "dflash-pipeline evaluate --drafter {input.drafter:q} --model {params.model:q} --tokens {input.tokens:q} "

@@ -76,6 +76,7 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
     cfg = merged("qwen3-8b.example.yaml")
     cfg["inputs"] = [str(p) for p in sorted(demo_raw.iterdir())]
     cfg["target"]["model_path"] = str(tiny_target)
+    cfg["target"]["trust_remote_code"] = True  # must reach every stage that loads the target
     work = make_workdir(tmp_path / "w")
     (work / "example.yaml").write_text(yaml.safe_dump(cfg))
     configs = ("example.yaml",)
@@ -117,4 +118,6 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
     assert "gpus" not in seen["train"] and "gpus" not in seen["extract"] and "gpus" not in seen["evaluate"]
     assert seen["evaluate"]["num_prompts"] == 200 and seen["tokenize"]["max_length"] == 3072
     assert seen["generate"]["temperature"] == 0.6 and seen["generate"]["backend"] == "sglang"
+    loads_target = ("tokenize", "calibrate", "generate", "extract", "train", "export", "evaluate")
+    assert all(seen[s].get("trust_remote_code") is True for s in loads_target), {s: seen.get(s) for s in loads_target}
     assert not {"gpus", "mem_mb", "runtime_min", "calibrate", "max_wall_hours"} & set(seen["generate"])

@@ -51,6 +51,7 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
                         "sampling")
     p.add_argument("--seed", type=int, default=0, help="init seed of the untrained drafter and the sampling seed")
     p.add_argument("--device", default="auto")
+    p.add_argument("--trust-remote-code", action="store_true", help="run the target's own modeling code")
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads on CPU (decoding is many tiny ops)")
     p.add_argument("--out", required=True, help="report JSON")
     p.add_argument("--plot", required=True, help="acceptance-curve PNG")
@@ -79,7 +80,9 @@ def held_out_prompts(paths: list[str], fraction: float, n: int) -> list[dict]:
     return prompts
 
 
-def _stop_ids(model_dir: str, target) -> set[int]:
+def _stop_ids(model_dir: str, target, trust_remote_code: bool = False) -> set[int]:
+    from dflash_pipeline.target import load_tokenizer
+
     ids: set[int] = set()
     eos = getattr(target.generation_config, "eos_token_id", None)
     if eos is None:
@@ -87,9 +90,7 @@ def _stop_ids(model_dir: str, target) -> set[int]:
     if eos is not None:
         ids.update([eos] if isinstance(eos, int) else eos)
     try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model_dir)
+        tok = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
         if tok.eos_token_id is not None:
             ids.add(int(tok.eos_token_id))
     except Exception:  # noqa: BLE001 - a target without a tokenizer decodes to max_new_tokens
@@ -150,14 +151,13 @@ def evaluate_sampled(name, target, drafter, head, prompts, max_new, stop_ids, de
 
 
 def _load(args, device):
-    from transformers import AutoModelForCausalLM
-
     from dflash_pipeline.drafter.export import load_exported
     from dflash_pipeline.drafter.model import DFlashDrafter
     from dflash_pipeline.drafter.target_head import load_target_head
+    from dflash_pipeline.target import compute_dtype, load_model
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    dtype = compute_dtype("auto", device)
+    target = load_model(args.model, str(device), "auto", trust_remote_code=args.trust_remote_code)
     head = load_target_head(args.model, dtype=dtype).to(device)
     trained = load_exported(args.drafter, device=device, dtype=dtype)
     head.check_mask_token(trained.config.mask_token_id)
@@ -184,7 +184,7 @@ def _run_evaluate(args) -> int:
         torch.set_num_threads(max(1, args.cpu_threads))
     target, head, drafters = _load(args, device)
     prompts = held_out_prompts(args.tokens, args.holdout_fraction, args.num_prompts)
-    stop_ids = _stop_ids(args.model, target)
+    stop_ids = _stop_ids(args.model, target, args.trust_remote_code)
     sampled_temps = sorted({float(t) for t in args.temperatures if float(t) > 0})
     log.info("%d held-out prompts, max %d new tokens, stop ids %s, device %s, temperatures 0 %s", len(prompts),
              args.max_new_tokens, sorted(stop_ids), device, sampled_temps)
