@@ -163,12 +163,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("command", nargs="+", help="the command to run (put it after --)")
 
 
-def run(args) -> int:
-    command = list(args.command)
+def command_after_dashes(command: list[str], stage: str) -> list[str]:
+    """The wrapped command of `STAGE [options] -- CMD ...` (argparse may keep the `--`); an empty one is an error."""
+    command = list(command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise PipelineError("with-gpus: no command given")
+        raise PipelineError(f"{stage}: no command given")
+    return command
+
+
+def run(args) -> int:
+    command = command_after_dashes(args.command, "with-gpus")
     env = os.environ.copy()
     if args.n < 0:
         raise PipelineError("with-gpus: --n must be >= 0")

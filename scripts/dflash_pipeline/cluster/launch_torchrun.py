@@ -176,11 +176,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise PipelineError("launch-torchrun: no command given")
+    from dflash_pipeline.cluster.gpu_slots import command_after_dashes
+
+    command = command_after_dashes(args.command, "launch-torchrun")
     if os.path.sep not in command[0]:
         # resolve console scripts such as dflash-pipeline now: srun on another node gets the absolute path
         command[0] = shutil.which(command[0]) or command[0]
