@@ -81,25 +81,55 @@ STAGES = {
 }
 
 
-def schema_defaults(section: str) -> dict:
-    """{key: default} of one config section as the schema states them ({} outside a source checkout)."""
+def schema_properties(section: str) -> dict:
+    """{key: property schema} of one config section ({} outside a source checkout)."""
     if not SCHEMA.exists():
         return {}
     import yaml
 
     props = (yaml.safe_load(SCHEMA.read_text()).get("properties", {}).get(section) or {}).get("properties", {})
-    return {k: v["default"] for k, v in props.items() if isinstance(v, dict) and "default" in v}
+    return {k: v for k, v in props.items() if isinstance(v, dict)}
+
+
+def schema_defaults(section: str) -> dict:
+    """{key: default} of one config section as the schema states them ({} outside a source checkout)."""
+    return {k: v["default"] for k, v in schema_properties(section).items() if "default" in v}
+
+
+def schema_problem(value, prop: dict) -> str | None:
+    """Why `value` breaks its property's schema (type, bounds, enum), or None."""
+    from jsonschema import Draft202012Validator
+
+    error = next(iter(Draft202012Validator(prop).iter_errors(value)), None)
+    return None if error is None else error.message
 
 
 def _option_dests(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "settings")}
 
 
+def _setting_value(stage: str, key: str, value, action: argparse.Action, prop: dict | None):
+    """A `--settings` value checked against the schema (type, bounds) and converted as its option would be."""
+    if prop is not None and value is not None and (problem := schema_problem(value, prop)):
+        raise PipelineError(f"{stage} --settings: {key}={value!r}: {problem} (rules/schemas/config.schema.yaml)")
+    if isinstance(value, bool) and action.choices is not None and "true" in action.choices:
+        value = str(value).lower()  # YAML true/false for an option spelled auto|true|false
+    if isinstance(value, str) and callable(action.type):
+        try:
+            value = action.type(value)
+        except (ValueError, TypeError) as exc:
+            raise PipelineError(f"{stage} --settings: {key}={value!r}: {exc}") from None
+    if action.choices is not None and value is not None and value not in action.choices:
+        raise PipelineError(f"{stage}: setting {key}={value!r} is not one of {list(action.choices)}")
+    return value
+
+
 def apply_settings(parser: argparse.ArgumentParser, settings_json: str | None, section: str | None,
                    stage: str) -> None:
     """Schema defaults, then `--settings` values, become the parser's defaults (explicit options still win)."""
     dests = _option_dests(parser)
-    defaults = {k: v for k, v in schema_defaults(section).items() if k in dests} if section else {}
+    props = schema_properties(section) if section else {}
+    defaults = {k: v["default"] for k, v in props.items() if k in dests and "default" in v}
     if settings_json:
         try:
             settings = json.loads(settings_json)
@@ -113,16 +143,20 @@ def apply_settings(parser: argparse.ArgumentParser, settings_json: str | None, s
                                 f"known: {', '.join(sorted(dests))}")
         defaults.update(settings)
     for key, value in defaults.items():
-        action = dests[key]
-        if isinstance(value, bool) and action.choices is not None and "true" in action.choices:
-            value = str(value).lower()  # YAML true/false for an option spelled auto|true|false
-        if isinstance(value, str) and callable(action.type):
-            value = action.type(value)
-        if action.choices is not None and value is not None and value not in action.choices:
-            raise PipelineError(f"{stage}: setting {key}={value!r} is not one of {list(action.choices)}")
-        defaults[key] = value
-        action.required = False  # given by the settings or the schema
+        defaults[key] = _setting_value(stage, key, value, dests[key], props.get(key))
+        dests[key].required = False  # given by the settings or the schema
     parser.set_defaults(**defaults)
+
+
+def check_options(args: argparse.Namespace, section: str | None, stage: str) -> None:
+    """Options given on the command line obey the schema's types and bounds too (`--max-record-bytes -1`)."""
+    for key, prop in (schema_properties(section) if section else {}).items():
+        value = getattr(args, key, None)
+        if value is None or "enum" in prop:  # unset; enums are argparse choices, checked there
+            continue
+        if (problem := schema_problem(value, prop)):
+            raise PipelineError(f"{stage}: --{key.replace('_', '-')} {value!r}: {problem} "
+                                f"(rules/schemas/config.schema.yaml, {section}.{key})")
 
 
 def build_parser(wanted: str | None, argv: list[str]) -> argparse.ArgumentParser:
@@ -150,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = next((a for a in argv if not a.startswith("-")), None)
     try:
         args = build_parser(wanted, argv).parse_args(argv)
+        check_options(args, STAGES[args.stage].section, args.stage)
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -118,6 +118,8 @@ def ingest_file(
     max_record_bytes: int = 64 << 20,
 ) -> dict:
     name = name or path
+    if max_record_bytes < 1:
+        raise PipelineError(f"{name}: max_record_bytes {max_record_bytes} must be at least 1")
     result = ReadResult()
     with atomic_open(out_quarantine, "w", encoding="utf-8") as qfh, atomic_path(out_records) as tmp:
         writer = _RecordsWriter(tmp)

@@ -10,7 +10,9 @@ every complete record before it was handed out.
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
 import zlib
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from typing import IO, Iterator
 
 import zstandard
 
+from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.storage import open_binary
 
 CHUNK = 1 << 20
@@ -33,6 +36,10 @@ _SPACE = re.compile(rb"[ \t\r\n]*")
 _SCALAR = re.compile(rb"[^,\]\s]*")
 _CLOSER = {ord("["): ord("]"), ord("{"): ord("}")}
 _SCALAR_START = frozenset(b"-0123456789tfn")
+
+
+class InputChangedError(PipelineError):
+    """The raw file changed while it was read."""
 
 
 @dataclass
@@ -150,23 +157,62 @@ def safe_text(raw) -> str:
 
 
 def iter_raw_records(path: str, result: ReadResult, max_record_bytes: int) -> Iterator[RawRecord]:
-    """Yield every record of the file; on damage, set `result.damage` and stop (the caller decides)."""
+    """Yield every record of the file; on damage, set `result.damage` and stop (the caller decides).
+    A local file that changed while it was read (rewritten in place, replaced, grown or cut) is an error
+    after the last record: its records would mix two versions (S3 GETs read one object version)."""
     with open_binary(path) as fh:
-        stream, result.compression = _decompressed(path, fh)
-        reader = _CountingReader(stream)
-        try:
-            first = reader.read(CHUNK)
-        except DECOMPRESSION_ERRORS as exc:
-            result.damage = Damage(0, f"cannot decompress ({result.compression}): {exc}")
-            return
-        head = first.lstrip()
-        if head.startswith(b"\xef\xbb\xbf"):  # UTF-8 BOM
-            head = head[3:].lstrip()
-        result.container = "json-array" if head.startswith(b"[") else "jsonl"
-        if result.container == "json-array":
-            yield from _ArrayReader(reader, first, result, max_record_bytes).records()
-        else:
-            yield from _iter_jsonl(reader, first, result, max_record_bytes)
+        before = _file_identity(path, fh)
+        yield from _records(path, fh, result, max_record_bytes)
+        if before is not None:
+            _check_unchanged(path, fh, before)
+
+
+def _records(path: str, fh, result: ReadResult, max_record_bytes: int) -> Iterator[RawRecord]:
+    stream, result.compression = _decompressed(path, fh)
+    reader = _CountingReader(stream)
+    try:
+        first = reader.read(CHUNK)
+    except DECOMPRESSION_ERRORS as exc:
+        result.damage = Damage(0, f"cannot decompress ({result.compression}): {exc}")
+        return
+    head = first.lstrip()
+    if head.startswith(b"\xef\xbb\xbf"):  # UTF-8 BOM
+        head = head[3:].lstrip()
+    result.container = "json-array" if head.startswith(b"[") else "jsonl"
+    if result.container == "json-array":
+        yield from _ArrayReader(reader, first, result, max_record_bytes).records()
+    else:
+        yield from _iter_jsonl(reader, first, result, max_record_bytes)
+
+
+def _stat_key(st: os.stat_result) -> tuple:
+    # ctime too: a rewrite that restores size and mtime (cp -p, rsync -t) still changes it
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _file_identity(path: str, fh) -> tuple | None:
+    try:
+        return _stat_key(os.fstat(fh.fileno()))
+    except (OSError, AttributeError, io.UnsupportedOperation):  # an S3 stream has no descriptor
+        return None
+
+
+def _check_unchanged(path: str, fh, before: tuple) -> None:
+    """Two stat calls: the open file (rewritten in place) and the path (replaced by another file)."""
+    try:
+        now_fd, now_path = _stat_key(os.fstat(fh.fileno())), _stat_key(os.stat(path))
+    except FileNotFoundError:
+        now_fd, now_path = _stat_key(os.fstat(fh.fileno())), None
+    if now_fd == before and now_path == before:
+        return
+    if now_path is None:
+        how = "deleted"
+    elif now_path[:2] != before[:2]:
+        how = "replaced by another file"
+    else:
+        how = f"rewritten (size {before[2]} -> {now_fd[2]} bytes, mtime changed: {now_fd[3] != before[3]})"
+    raise InputChangedError(f"{path}: the file was {how} while it was being read; its records would mix two "
+                            "versions, so nothing was written. Rerun once the file no longer changes.")
 
 
 def _too_big(index: int, offset: int, size: int, limit: int, head: bytes) -> RawRecord:
@@ -183,6 +229,8 @@ def _iter_lines(reader: _CountingReader, first: bytes, result: ReadResult, limit
         if nl >= 0 or eof:
             end = nl if nl >= 0 else len(buf)
             size = dropped + end - start
+            if nl < 0 and size == 0:
+                return  # the file ends with its newline: nothing after it
             yield base + start - dropped, (None if size > limit else buf[start:end]), size, nl >= 0, head
             if nl < 0:
                 return
