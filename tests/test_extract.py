@@ -130,7 +130,7 @@ def test_resume_after_kill(tiny_target, tmp_path, caplog):
     out = tmp_path / "h.dfhs"
     args = ["extract", "--tokens", str(tmp_path / "t.parquet"), "--model", str(tiny_target), "--out", str(out),
             "--target-layer-ids", "1,5", "--token-budget", "100", "--flush-tokens", "60", "--device", "cpu",
-            "--encode-threads", "1"]
+            "--encode-threads", "1", "--stats", str(tmp_path / "h.stats.json")]
     # killed for real (SIGKILL, no cleanup) by a wrapper right after the second durable chunk
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([str(BIN / "python"), str(REPO / "tests" / "extract_kill_helper.py"), "2", *args],
@@ -144,6 +144,11 @@ def test_resume_after_kill(tiny_target, tmp_path, caplog):
     assert "resuming" in caplog.text
     r = HiddenStateShardReader(out)
     assert len(r) == 15 and len(set(r.sample_ids)) == 15
+    import json  # the stats count the whole shard, the samples written before the kill included
+
+    stats = json.loads((tmp_path / "h.stats.json").read_text())
+    assert stats["samples"] == 15 and stats["tokens"] == sum(r.num_tokens)
+    assert 0 < stats["resumed_samples"] and stats["this_run"]["samples"] == 15 - stats["resumed_samples"]
     r.verify_all()
     fresh = tmp_path / "fresh.dfhs"  # an uninterrupted run, in process (one CLI start less)
     extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(fresh),

@@ -121,3 +121,166 @@ def test_settings_and_options_are_typed_and_bounded_by_the_schema(tmp_path, caps
     proc = cli_main(capsys, "ingest", *io, "--max-record-bytes", "1024")
     stats = json.loads(proc.stdout)
     assert (stats["records_read"], stats["kept"], stats["quarantined"]) == (3, 3, 0)  # no phantom record
+
+
+# ------------------------------------------------------------------------------ 3: one sample id, two .dfhs shards
+def _hidden_shard(path: Path, ids: list[str], seed: int = 0, layer_ids=(1,), hidden: int = 128) -> None:
+    import numpy as np
+    import torch
+
+    from dflash_pipeline.hidden_states.writer import write_shard
+
+    g = torch.Generator().manual_seed(seed)
+    samples = [{"sample_id": sid, "input_ids": np.arange(5 + i, dtype=np.int32) % 97,
+                "loss_mask": np.ones(5 + i, dtype=np.uint8), "hidden": torch.randn(5 + i, len(layer_ids), hidden,
+                                                                              generator=g)}
+               for i, sid in enumerate(ids)]
+    write_shard(path, samples, {"target_layer_ids": list(layer_ids), "hidden_size": hidden, "num_layers": 8,
+                                "model_path": "m"}, codec="raw", dtype="float32")
+
+
+def test_offline_training_refuses_a_sample_id_in_two_shards(tiny_target, tmp_path, capsys):
+    from dflash_pipeline.target_layers import default_target_layer_ids
+
+    layers = default_target_layer_ids(8, 1)
+    _hidden_shard(tmp_path / "a.dfhs", ["s0", "s1", "s2"], layer_ids=layers)
+    _hidden_shard(tmp_path / "b.dfhs", ["s3", "s1"], seed=1, layer_ids=layers)  # s1 again, other features
+    base = ["train", "--mode", "offline", "--model", tiny_target, "--out", tmp_path / "out",
+            "--checkpoint-dir", tmp_path / "ck", "--num-layers", "1", "--max-steps", "1"]
+    _one_line_error(cli_main(capsys, *base, "--inputs", tmp_path / "a.dfhs", tmp_path / "b.dfhs"),
+                    "sample 's1' appears in", "a.dfhs and in", "b.dfhs")
+    _one_line_error(cli_main(capsys, *base, "--inputs", tmp_path / "a.dfhs", tmp_path / "a.dfhs"),
+                    "sample 's0' appears twice in", "a.dfhs")
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------ 4: NFC and NFD are one sample
+def test_nfc_and_nfd_spellings_are_one_sample(tmp_path):
+    import unicodedata
+
+    from dflash_pipeline.data.manifest import build_manifest
+
+    text = "Qu'est-ce qu'un café crème à Zürich ? 한국어"
+    nfd = unicodedata.normalize("NFD", text)
+    assert nfd != text
+    for name, spelling in (("a.jsonl", text), ("b.jsonl", nfd)):
+        (tmp_path / name).write_text(json.dumps({"conversations": [{"from": "human", "value": spelling},
+                                                                   {"from": "gpt", "value": "Oui."}]}) + "\n")
+    from dflash_pipeline.data.ingest import ingest_file
+
+    sids = []
+    for name in ("a.jsonl", "b.jsonl"):
+        stem = name.split(".")[0]
+        ingest_file(str(tmp_path / name), str(tmp_path / f"{stem}.parquet"), str(tmp_path / f"{stem}.json"),
+                    str(tmp_path / f"{stem}.q.jsonl"))
+        row = pq.read_table(tmp_path / f"{stem}.parquet").to_pylist()[0]
+        sids.append(row["sample_id"])
+        assert row["messages"][0]["content"] == (text if stem == "a" else nfd)  # the text is kept as it came
+    assert sids[0] == sids[1]
+
+
+# ------------------------------------------------------------------------------ 5: an absurd drafter config
+@pytest.mark.timeout(120)  # building a million layers (even on the meta device) took minutes before
+def test_export_and_evaluate_check_the_layer_count_against_the_weights_first(tiny_target, tmp_path, capsys):
+    import time as _time
+
+    import torch
+    from safetensors.torch import save_file
+
+    from dflash_pipeline import storage
+    from dflash_pipeline.drafter.config import DrafterConfig
+    from dflash_pipeline.drafter.export import load_exported
+    from dflash_pipeline.drafter.model import DFlashDrafter
+    from dflash_pipeline.target import read_config
+
+    cfg = DrafterConfig.from_target(read_config(tiny_target), 2, [1, 4], 16, 1343, 1344)
+    src = tmp_path / "drafter"
+    src.mkdir()
+    save_file(DFlashDrafter(cfg).engine_state_dict(), str(src / "drafter.safetensors"))
+    storage.write_json(src / "drafter_config.json", dict(cfg.to_dict(), num_hidden_layers=1_000_000))
+    t0 = _time.monotonic()
+    _one_line_error(cli_main(capsys, "export", "--drafter", src, "--model", tiny_target, "--out", tmp_path / "o"),
+                    "drafter.safetensors", "num_hidden_layers 1000000", "hold 2 layers")
+    assert not (tmp_path / "o").exists()
+    storage.write_json(src / "drafter_config.json", cfg.to_dict())
+    assert cli_main(capsys, "export", "--drafter", src, "--model", tiny_target, "--out", tmp_path / "o").returncode == 0
+    exported = json.loads((tmp_path / "o" / "config.json").read_text())
+    storage.write_json(tmp_path / "o" / "config.json", dict(exported, num_hidden_layers=1_000_000))
+    with pytest.raises(PipelineError, match=r"model\.safetensors: the config says num_hidden_layers 1000000"):
+        load_exported(tmp_path / "o", dtype=torch.float32)  # what `evaluate` loads the drafter with
+    assert _time.monotonic() - t0 < 60
+
+
+# ------------------------------------------------------------------------------ 6: token ids outside the vocabulary
+def test_extract_names_the_sample_with_a_token_outside_the_vocabulary(tiny_target, tmp_path, capsys):
+    import pyarrow as pa
+
+    schema = pa.schema([("sample_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.int8()))])
+    rows = {"sample_id": ["ok", "big"], "input_ids": [[1, 2, 3], [4, 10**6, 5]], "loss_mask": [[0, 1, 1]] * 2}
+    pq.write_table(pa.table(rows, schema=schema), tmp_path / "big.parquet")
+    rows["input_ids"][1] = [4, -7, 5]
+    pq.write_table(pa.table(rows, schema=schema), tmp_path / "neg.parquet")
+    for name, sid, bad in (("big", "big", 10**6), ("neg", "big", -7)):
+        out = tmp_path / f"{name}.dfhs"
+        _one_line_error(cli_main(capsys, "extract", "--tokens", tmp_path / f"{name}.parquet", "--model", tiny_target,
+                                 "--out", out, "--device", "cpu", "--target-layer-ids", "1"),
+                        f"{name}.parquet: sample '{sid}': token id {bad} outside the target's embedding")
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(f"{name}.dfhs")]  # no partial file
+
+
+# ------------------------------------------------------------------------------ 11: a .dfhs replaced under its path
+def test_a_replaced_shard_is_read_again_not_served_from_the_cache(tmp_path):
+    from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
+
+    path = tmp_path / "h.dfhs"
+    _hidden_shard(path, ["a", "b", "c"], seed=0)
+    first = HiddenStateShardReader(path, mmap=False)
+    old = first.read(0)["hidden"].clone()
+    for seed in range(1, 200):  # same ids and size, other values (the index's zstd size varies with its CRCs)
+        _hidden_shard(tmp_path / "same-size.dfhs", ["a", "b", "c"], seed=seed)
+        if (tmp_path / "same-size.dfhs").stat().st_size == path.stat().st_size:
+            break
+    assert (tmp_path / "same-size.dfhs").stat().st_size == path.stat().st_size
+    os.replace(tmp_path / "same-size.dfhs", path)
+    second = HiddenStateShardReader(path, mmap=False)
+    new = second.read(0)["hidden"]
+    assert not new.equal(old)
+    _hidden_shard(tmp_path / "longer.dfhs", ["x", "y", "z", "w", "v"], seed=2)  # other size, other index
+    os.replace(tmp_path / "longer.dfhs", path)
+    third = HiddenStateShardReader(path)  # mapped this time
+    assert third.sample_ids == ["x", "y", "z", "w", "v"] and third.verify_all() == 5
+    assert first.read(0)["hidden"].equal(old)  # a reader opened before keeps reading its version
+    for r in (first, second, third):
+        r.close()
+
+
+# ------------------------------------------------------------------------------ 9: a full disk, a read-only directory
+def _in_mount_namespace(setup: str, *cmd) -> subprocess.CompletedProcess:
+    """Run `cmd` after the shell commands `setup` (mounts) in a private mount namespace: real file systems
+    (a tmpfs of 64 KiB, a read-only tmpfs), gone when the command ends, nothing mounted on this machine."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    if probe.returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI needs mount namespaces for the full-disk tests: {probe.stderr.decode()[:200]}")
+        pytest.skip("no mount namespaces here (unprivileged user namespaces are disabled)")
+    return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f'{setup} && exec "$@"',
+                           "sh", *map(str, cmd)], capture_output=True, text=True)
+
+
+def test_ingest_on_a_full_disk_or_a_read_only_directory_is_one_line(tmp_path):
+    """ENOSPC for real: a 64 KiB tmpfs for the outputs of a 2 MB input (the last line used to be
+    `Operation on closed file`, hiding it); EROFS: a read-only tmpfs. One line each, naming the output."""
+    raw = tmp_path / "big.jsonl"
+    raw.write_text(_conversations(3000))
+    for where, option, expect in (("full", "size=64k", "No space left on device (ENOSPC)"),
+                                  ("ro", "ro", "Read-only file system (EROFS)")):
+        mnt = tmp_path / where
+        mnt.mkdir()
+        proc = _in_mount_namespace(f"mount -t tmpfs -o {option} tmpfs {mnt}", BIN / "dflash-pipeline", "ingest",
+                                   "--input", raw, "--out", mnt / "d.parquet", "--stats", mnt / "d.json",
+                                   "--quarantine", mnt / "q.jsonl")
+        line = _one_line_error(proc, expect, str(mnt / ""), "rerun")
+        assert "closed file" not in line

@@ -13,9 +13,11 @@ command line wins over both.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,6 +161,20 @@ def check_options(args: argparse.Namespace, section: str | None, stage: str) -> 
                                 f"(rules/schemas/config.schema.yaml, {section}.{key})")
 
 
+# a full disk, a quota, a read-only or forbidden output directory: the user's to fix, not a bug to trace
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
+
+
+def disk_error(exc: OSError, args: argparse.Namespace) -> str:
+    """One line for an OSError of the file system: the file (or the stage's outputs), the cause, what is left."""
+    where = exc.filename or next((getattr(args, k) for k in ("out", "out_dir", "stats") if getattr(args, k, None)),
+                                 None)
+    where = " ".join(map(str, where)) if isinstance(where, list) else where
+    return (f"{args.stage}: {os.strerror(exc.errno)} ({errno.errorcode.get(exc.errno, exc.errno)}) writing "
+            f"{where or 'its outputs'}; no output was left half-written (temporary files are removed), "
+            "rerun once there is room or the directory is writable")
+
+
 def build_parser(wanted: str | None, argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -196,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in DISK_ERRNOS:
+            raise
+        print(f"error: {disk_error(exc, args)}", file=sys.stderr)
         return 2
     except Exception as exc:
         # an S3 failure deep inside a stage (mirror, ranged read): one line, not a botocore traceback

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import unicodedata
 
 import pyarrow as pa
 
@@ -81,10 +82,18 @@ def normalize_record(record) -> tuple[str | None, list[dict]]:
     return (None if raw_id is None else str(raw_id)), messages
 
 
+def _nfc(text: str | None) -> str | None:
+    return text if text is None or text.isascii() else unicodedata.normalize("NFC", text)
+
+
 def sample_id(messages: list[dict]) -> str:
-    """Stable content hash of the normalized messages: same conversation, same id, in any file."""
+    """Stable content hash of the normalized messages: same conversation, same id, in any file.
+
+    The text is hashed in Unicode NFC, so the composed and decomposed spellings of one text ("é" as one code
+    point or as "e" + combining accent) are one sample: the Qwen tokenizers normalise to NFC before encoding,
+    so both would train the same tokens twice. The stored text is kept as it came."""
     canonical = json.dumps(
-        [[m["role"], m["content"], m.get("reasoning_content")] for m in messages],
+        [[m["role"], _nfc(m["content"]), _nfc(m.get("reasoning_content"))] for m in messages],
         ensure_ascii=False,
         separators=(",", ":"),
     )

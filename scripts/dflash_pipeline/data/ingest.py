@@ -54,6 +54,13 @@ class _RecordsWriter:
         self.flush()
         self.writer.close()
 
+    def abort(self) -> None:
+        """Close without writing what is buffered: the caller's error (e.g. ENOSPC) stays the one reported."""
+        try:
+            self.writer.close()
+        except Exception:  # noqa: BLE001 - the temporary file is deleted anyway
+            pass
+
 
 def _json_line(obj) -> str:
     """One JSON line, readable UTF-8 where possible; text that is not valid Unicode (lone surrogates) is escaped."""
@@ -125,8 +132,10 @@ def ingest_file(
         writer = _RecordsWriter(tmp)
         try:
             counts = _read_file(path, name, max_record_bytes, writer, qfh, result)
-        finally:
-            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
         if result.damage is not None:
             if on_corrupt != "salvage":
                 raise CorruptInputError(name, result.damage.offset, counts["read"], result.damage.reason)

@@ -129,9 +129,15 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def check_weights(state: dict[str, torch.Tensor], dcfg: DrafterConfig, source: str) -> None:
-    """Exactly the tensors a drafter of `dcfg` has, with its shapes (built on the meta device: no memory)."""
+    """Exactly the tensors a drafter of `dcfg` has, with its shapes (built on the meta device: no memory).
+    The layer count is checked against the weights first: a config claiming 1,000,000 layers is refused in
+    microseconds instead of building them."""
     from dflash_pipeline.drafter.model import DFlashDrafter
 
+    stored = {int(k.split(".")[1]) for k in state if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    if dcfg.num_hidden_layers != len(stored) or stored != set(range(len(stored))):
+        raise PipelineError(f"{source}: the config says num_hidden_layers {dcfg.num_hidden_layers}, the weights "
+                            f"hold {len(stored)} layers ({sorted(stored)[:8]}...): config and weights do not match")
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in DFlashDrafter(dcfg).engine_state_dict().items()}
     missing = sorted(set(expected) - set(state))

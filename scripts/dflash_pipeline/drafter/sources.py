@@ -50,6 +50,17 @@ def read_token_columns(path: str, columns: tuple[str, ...]):
         raise PipelineError(f"{path}: unreadable token shard ({exc})") from None
 
 
+def _claim(seen: dict[str, str], sample_id: str, path: str) -> None:
+    """One sample, one place: the manifest gives every sample one shard, so an id seen twice means shards of
+    two runs (or one shard twice) were mixed, and that sample would be trained on twice as often."""
+    first = seen.get(sample_id)
+    if first is not None:
+        where = "twice in " + path if first == path else f"in {first} and in {path}"
+        raise PipelineError(f"sample {sample_id!r} appears {where}: shards of different runs mixed? "
+                            "Give each sample once (training would count it twice)")
+    seen[sample_id] = path
+
+
 class TokenSource:
     """Samples of token shards (parquet: sample_id, input_ids, loss_mask); a few shards cached at a time."""
 
@@ -62,9 +73,11 @@ class TokenSource:
         self.cache_shards = cache_shards
         self._tables: OrderedDict[int, dict] = OrderedDict()
         self.index: list[tuple[int, int]] = []
+        seen: dict[str, str] = {}
         for s, path in enumerate(self.paths):
             ids = read_token_columns(path, TOKEN_COLUMNS).column("sample_id").to_pylist()
             for row, sid in enumerate(ids):
+                _claim(seen, sid, path)
                 if is_holdout(sid, holdout_fraction) == (keep == "holdout"):
                     self.index.append((s, row))
 
@@ -122,6 +135,7 @@ class HiddenSource:
         self.max_length = max_length
         self.readers = [HiddenStateShardReader(p) for p in self.paths]
         self.index: list[tuple[int, int]] = []
+        seen: dict[str, str] = {}
         for s, reader in enumerate(self.readers):
             stored = [int(i) for i in reader.metadata["target_layer_ids"]]
             if stored != list(target_layer_ids):
@@ -129,6 +143,7 @@ class HiddenSource:
                     f"{self.paths[s]}: hidden states were extracted at target layers {stored}, but the drafter "
                     f"is configured for {list(target_layer_ids)}; re-extract or fix drafter.target_layer_ids")
             for row, sid in enumerate(reader.sample_ids):
+                _claim(seen, sid, self.paths[s])
                 if not is_holdout(sid, holdout_fraction):
                     self.index.append((s, row))
         self.hidden_size = self.readers[0].hidden_size if self.readers else 0
@@ -184,5 +199,6 @@ def check_token_range(sample: dict, vocab_rows: int) -> None:
     """Token ids index the target's embedding: one outside it means the data was tokenized for another model."""
     ids = sample["input_ids"]
     if len(ids) and (int(ids.max()) >= vocab_rows or int(ids.min()) < 0):
-        raise PipelineError(f"sample {sample['sample_id']!r}: token id {int(ids.max())} outside the target's "
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise PipelineError(f"sample {sample['sample_id']!r}: token id {bad} outside the target's "
                             f"embedding (0..{vocab_rows - 1}): tokenized for another model?")

@@ -104,6 +104,15 @@ def _check_token_rows(path: str, ids: list, input_ids: list, loss_mask: list) ->
             raise PipelineError(f"{path}: sample {sid!r} has {len(tokens)} input_ids but {len(mask)} loss_mask values")
 
 
+def check_token_range(path: str, tokens: TokenShard, rows: int) -> None:
+    """Every token id indexes the target's embedding (an id outside it is data tokenized for another model)."""
+    for sid, ids in zip(tokens.sample_ids, tokens.input_ids):
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise PipelineError(f"{path}: sample {sid!r}: token id {bad} outside the target's embedding "
+                                f"(0..{rows - 1}): tokenized for another model?")
+
+
 # ------------------------------------------------------------------------------------------ phases
 
 
@@ -189,7 +198,11 @@ def _stats(out_path, host: HostPipeline, padded: int, resumed: int, skipped: int
            device: str, t_start: float, t_gpu: float) -> dict:
     import torch
 
-    stats = dict(host.stats, padded_tokens=padded)
+    # the whole shard (samples resumed from an earlier run included); the rate is this run's work
+    cols = host.writer._cols
+    stats = {"samples": len(cols["sample_ids"]), "tokens": int(sum(cols["num_tokens"])),
+             "stored_bytes": int(sum(cols["lengths"])), "padded_tokens": padded,
+             "this_run": dict(host.stats)}
     now = time.perf_counter()
     raw = stats["tokens"] * meta["num_feature_layers"] * meta["hidden_size"] * 2
     stats.update({
@@ -197,9 +210,9 @@ def _stats(out_path, host: HostPipeline, padded: int, resumed: int, skipped: int
         "skipped_unsupervised": skipped, "target_layer_ids": meta["target_layer_ids"],
         "hidden_size": meta["hidden_size"], "codec": settings.codec, "level": settings.level, "dtype": settings.dtype,
         "compression_vs_bf16": stats["stored_bytes"] / raw if raw else None,
-        "padding_waste": 1 - stats["tokens"] / padded if padded else 0.0,
+        "padding_waste": 1 - host.stats["tokens"] / padded if padded else 0.0,
         "seconds": now - t_start, "seconds_extract": now - t_gpu,
-        "tokens_per_s": stats["tokens"] / (now - t_gpu) if now > t_gpu else None,
+        "tokens_per_s": host.stats["tokens"] / (now - t_gpu) if now > t_gpu else None,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "file_bytes": os.path.getsize(out_path),
     })
@@ -219,6 +232,7 @@ def extract_shard(tokens_path: str, model_path: str, out_path: str, settings: Ex
     if model is None:
         model = target.load_model(model_path, device, settings.compute_dtype, attn_implementation=
                                   settings.attn_implementation, trust_remote_code=settings.trust_remote_code)
+    check_token_range(tokens_path, tokens, model.get_input_embeddings().num_embeddings)  # before any file is opened
     capture, pad_multiple = _prepare_capture(model, settings, device)
     try:
         meta = _shard_metadata(model, model_path, tokens_path, tokens, capture.ids)

@@ -42,9 +42,28 @@ from dflash_pipeline.hidden_states.layout import (
 )
 
 
+def file_key(path: str) -> tuple:
+    """What names one version of a file: its path and (device, inode, mtime, size). A shard replaced or
+    rewritten under the same path gets another key, so nothing cached for the old one is used for it."""
+    st = os.stat(path)
+    return path, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _open_version(key: tuple) -> int:
+    """A descriptor of exactly the file version `key` names (ShardFormatError when the path now holds another)."""
+    fd = os.open(key[0], os.O_RDONLY | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size) != key[1:]:
+        os.close(fd)
+        raise ShardFormatError(f"{key[0]}: the file was replaced or rewritten since this reader opened it; "
+                               "open it again")
+    return fd
+
+
 class _OpenFiles:
     """A process-wide LRU of open shard files, so that a training job holding readers on thousands of
-    shards keeps at most `MAX_OPEN_FILES` descriptors (and maps) open. Reads use pread: no seek, no lock."""
+    shards keeps at most `MAX_OPEN_FILES` descriptors (and maps) open. Reads use pread: no seek, no lock.
+    Entries are keyed by `file_key` (path and file version), not by path alone."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -53,12 +72,12 @@ class _OpenFiles:
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def reading(self, path: str):
-        """An open descriptor of `path`, not closed by eviction while in use."""
+    def reading(self, path: tuple):
+        """An open descriptor of the file version `path` (a `file_key`), not closed by eviction while in use."""
         with self._lock:
             entry = self._fds.pop(path, None)
             if entry is None:
-                entry = [os.open(path, os.O_RDONLY | os.O_CLOEXEC), 0]
+                entry = [_open_version(path), 0]
             entry[1] += 1
             self._fds[path] = entry
             self._evict()
@@ -81,19 +100,22 @@ class _OpenFiles:
             if users == 0:
                 os.close(fd)
 
-    def map(self, path: str):
+    def map(self, path: tuple):
         with self._lock:
             m = self._maps.pop(path, None)
             if m is None:
-                with open(path, "rb") as fh:
+                fd = _open_version(path)
+                try:
                     # copy-on-write map: tensors built on it are writable views that never touch the file
-                    m = mmap_module.mmap(fh.fileno(), 0, access=mmap_module.ACCESS_COPY)
+                    m = mmap_module.mmap(fd, 0, access=mmap_module.ACCESS_COPY)
+                finally:
+                    os.close(fd)
             self._maps[path] = m
             while len(self._maps) > self.limit:
                 self._maps.popitem(last=False)  # unmapped once no tensor views it any more
             return m
 
-    def release(self, path: str) -> None:
+    def release(self, path: tuple) -> None:
         """Forget `path`: its descriptor is closed (now, or by its last user) and its map dropped (tensors that
         view it keep it alive)."""
         with self._lock:
@@ -114,10 +136,11 @@ _OPEN = _OpenFiles(MAX_OPEN_FILES)
 class _LocalSource:
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
-        self.size = os.path.getsize(self.path)
+        self.key = file_key(self.path)
+        self.size = self.key[-1]
 
     def read(self, offset: int, length: int) -> bytes:
-        with _OPEN.reading(self.path) as fd:
+        with _OPEN.reading(self.key) as fd:
             parts, got = [], 0
             while got < length:  # pread may return less than asked for (large reads): read on
                 chunk = os.pread(fd, length - got, offset + got)
@@ -128,10 +151,10 @@ class _LocalSource:
             return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def view(self, offset: int, length: int) -> memoryview:
-        return memoryview(_OPEN.map(self.path))[offset: offset + length]
+        return memoryview(_OPEN.map(self.key))[offset: offset + length]
 
     def close(self):
-        _OPEN.release(self.path)
+        _OPEN.release(self.key)
 
 
 _S3_CLIENTS: dict = {}

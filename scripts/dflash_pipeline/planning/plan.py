@@ -81,7 +81,7 @@ def measured(stats_glob: str | None):
     tok = secs = stored = raw = 0
     for f in files:
         s = storage.read_json(f)
-        tok += s.get("tokens", 0)
+        tok += (s.get("this_run") or s).get("tokens", 0)  # the tokens of the run that took seconds_extract
         secs += s.get("seconds_extract") or 0
         stored += s.get("stored_bytes", 0)
         raw += s.get("raw_bf16_bytes", 0)
