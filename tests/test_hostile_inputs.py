@@ -284,3 +284,80 @@ def test_ingest_on_a_full_disk_or_a_read_only_directory_is_one_line(tmp_path):
                                    "--quarantine", mnt / "q.jsonl")
         line = _one_line_error(proc, expect, str(mnt / ""), "rerun")
         assert "closed file" not in line
+
+
+# ------------------------------------------------------------------------------ 7, 8: tokenize's inputs and template
+def _conversation_shard(path: Path, texts: list[str]) -> list[str]:
+    import pyarrow as pa
+
+    from dflash_pipeline.data.conversations import SAMPLE_SCHEMA, sample_id
+
+    rows = []
+    for i, text in enumerate(texts):
+        messages = [{"role": "user", "content": text, "reasoning_content": None},
+                    {"role": "assistant", "content": f"Answer {i}.", "reasoning_content": None}]
+        rows.append({"sample_id": sample_id(messages), "source": f"t#{i}", "source_id": None, "messages": messages})
+    pq.write_table(pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA), path)
+    return [r["sample_id"] for r in rows]
+
+
+@pytest.fixture
+def tokenizer_dir(tiny_target, tmp_path) -> Path:
+    """The tiny target's tokenizer, with a chat template of our own to break."""
+    out = tmp_path / "tok"
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
+        shutil.copy(tiny_target / name, out / name)
+    return out
+
+
+def test_a_template_failing_on_one_record_leaves_out_that_record_with_the_reason(tokenizer_dir, tmp_path, capsys):
+    template = tokenizer_dir / "chat_template.jinja"
+    template.write_text("{%- for m in messages %}{%- if 'BOOM' in m['content'] %}"
+                        "{{ raise_exception('this template refuses BOOM') }}{%- endif %}{%- endfor %}"
+                        + template.read_text())
+    sids = _conversation_shard(tmp_path / "s.parquet", ["Hello?", "BOOM goes the record", "Bye?"])
+    proc = cli_main(capsys, "tokenize", "--input", tmp_path / "s.parquet", "--model", tokenizer_dir,
+                    "--out", tmp_path / "t.parquet", "--audit", tmp_path / "a.json")
+    assert proc.returncode == 0, proc.stderr
+    audit = json.loads((tmp_path / "a.json").read_text())
+    assert audit["samples"] == 2 and audit["counts"]["template_error"] == 1
+    assert audit["samples"] + audit["counts"]["template_error"] + audit["counts"]["control_tokens"] == 3
+    [example] = audit["rejected_examples"]
+    assert example["sample_id"] == sids[1] and "this template refuses BOOM" in example["reason"]
+    assert pq.read_table(tmp_path / "t.parquet").column("sample_id").to_pylist() == [sids[0], sids[2]]
+
+    template.unlink()  # no template at all: one line before any work
+    _one_line_error(cli_main(capsys, "tokenize", "--input", tmp_path / "s.parquet", "--model", tokenizer_dir,
+                             "--out", tmp_path / "t2.parquet", "--audit", tmp_path / "a2.json"),
+                    str(tokenizer_dir), "no chat template")
+    assert not (tmp_path / "t2.parquet").exists() and not (tmp_path / "a2.json").exists()
+
+
+def test_tokenize_names_the_file_and_the_problem_of_a_wrong_schema(tokenizer_dir, tmp_path, capsys):
+    import pyarrow as pa
+
+    shard = tmp_path / "ok.parquet"
+    _conversation_shard(shard, ["Hi?"])
+    good = pq.read_table(shard).to_pylist()[0]
+    cases = {
+        "no-messages": (pa.table({"sample_id": ["a"], "text": ["hello"]}), "no column 'messages'"),
+        "strings": (pa.table({"sample_id": ["a"], "messages": ["hello"]}), "column 'messages' is string"),
+        "sharegpt": (pa.Table.from_pylist([{"sample_id": "a", "messages": [{"from": "human", "value": "hi"}]}]),
+                     "ShareGPT from/value"),
+        "null-role": (pa.Table.from_pylist([dict(good, messages=[dict(good["messages"][0], role=None),
+                                                                  good["messages"][1]])],
+                                           schema=pq.read_schema(shard)),
+                      f"row 0 (sample {good['sample_id']!r}): message 0 has role None"),
+        "conversations": (pa.table({"conversations": [[{"from": "human", "value": "hi"}]]}), "run `dflash-pipeline "
+                                                                                            "ingest` on it first"),
+    }
+    for name, (table, why) in cases.items():
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+    (tmp_path / "text.parquet").write_text('{"conversations": []}\n')
+    cases["text"] = (None, "not a readable Parquet file")
+    for name, (_, why) in cases.items():
+        _one_line_error(cli_main(capsys, "tokenize", "--input", tmp_path / f"{name}.parquet", "--model", tokenizer_dir,
+                                 "--out", tmp_path / "t.parquet", "--audit", tmp_path / "a.json"),
+                        f"{name}.parquet", why)
+    assert not (tmp_path / "t.parquet").exists()

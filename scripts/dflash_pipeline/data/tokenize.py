@@ -21,6 +21,7 @@ import re
 import time
 from collections import Counter
 
+import jinja2
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -43,7 +44,11 @@ TOKENS_SCHEMA = pa.schema(
     ]
 )
 COUNTS = ("truncated", "trivial", "no_supervision", "empty_response", "not_ending_with_assistant", "system_prompt",
-          "closing_missing", "control_tokens")
+          "closing_missing", "control_tokens", "template_error")
+ROLES = frozenset({"system", "user", "assistant"})
+# what a chat template raises for a record it cannot render (`raise_exception(...)`, an undefined attribute,
+# adding None to a string): that record is left out with the reason, the shard goes on
+TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError)
 HISTOGRAMS = ("loss_tokens", "length", "turns", "assistant_turns", "response_tokens")
 REASONING_TAGS = ("<think>", "</think>")
 TEXTS_PER_SHARD = 50  # answer texts kept per shard for the report (the most repeated ones)
@@ -118,8 +123,8 @@ class ShardAudit:
         c["system_prompt"] += messages[0]["role"] == "system"
         c["closing_missing"] += not sample.closing_found
 
-    def reject(self, sample_id: str, reason: str) -> None:
-        self.counts["control_tokens"] += 1
+    def reject(self, sample_id: str, reason: str, kind: str = "control_tokens") -> None:
+        self.counts[kind] += 1
         if len(self.examples) < EXAMPLES:
             self.examples.append({"sample_id": sample_id, "reason": reason})
 
@@ -164,10 +169,10 @@ def _encode_batch(masker, ids: list[str], conversations: list[list[dict]], audit
             audit.reject(sid, reason)
         else:
             keep.append((sid, messages, ids_row))
+    keep, samples = _encode_or_reject(masker, keep, audit)
     if not keep:
         return None
     cols = {name: [] for name in TOKENS_SCHEMA.names}
-    samples = encode_conversations(masker, [m for _, m, _ in keep], [t for _, _, t in keep])
     for (sid, messages, _), sample in zip(keep, samples):
         audit.add(messages, sample)
         for name, value in (("sample_id", sid), ("input_ids", sample.input_ids), ("loss_mask", sample.loss_mask),
@@ -175,6 +180,61 @@ def _encode_batch(masker, ids: list[str], conversations: list[list[dict]], audit
                             ("truncated", sample.truncated)):
             cols[name].append(value)
     return pa.Table.from_pydict(cols, schema=TOKENS_SCHEMA)
+
+
+def _encode_or_reject(masker, keep: list, audit: ShardAudit) -> tuple[list, list]:
+    """The batch encoded at once; when the template raises, record by record, and the records it fails on are
+    left out and counted with the template's message (`template_error` in the audit)."""
+    if not keep:
+        return keep, []
+    try:
+        return keep, encode_conversations(masker, [m for _, m, _ in keep], [t for _, _, t in keep])
+    except TEMPLATE_ERRORS:
+        pass
+    kept, samples = [], []
+    for item in keep:
+        try:
+            samples.extend(encode_conversations(masker, [item[1]], [item[2]]))
+        except TEMPLATE_ERRORS as exc:
+            reason = f"the chat template fails on it ({type(exc).__name__}: {str(exc)[:300]})"
+            log.warning("sample %s: %s; left out of the token shard", item[0], reason)
+            audit.reject(item[0], reason, "template_error")
+            continue
+        kept.append(item)
+    return kept, samples
+
+
+def read_conversations(path: str) -> pa.Table:
+    """An ingested or completions shard; any other file is one line naming it and what is wrong."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise PipelineError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+    missing = [c for c in ("sample_id", "messages") if c not in table.column_names]
+    if missing:
+        hint = " (ShareGPT 'conversations': run `dflash-pipeline ingest` on it first)" \
+            if "conversations" in table.column_names else ""
+        raise PipelineError(f"{path}: not an ingested shard: no column {', '.join(map(repr, missing))}{hint}")
+    mtype = table.schema.field("messages").type
+    fields = {f.name: f.type for f in mtype.value_type} if pa.types.is_list(mtype) and \
+        pa.types.is_struct(mtype.value_type) else {}
+    if fields.get("role") != pa.string() or fields.get("content") != pa.string():
+        hint = " (ShareGPT from/value: run `dflash-pipeline ingest` on the raw file)" if "from" in fields else ""
+        raise PipelineError(f"{path}: column 'messages' is {mtype}, expected a list of "
+                            f"{{role: string, content: string}} structs{hint}")
+    return table
+
+
+def check_conversation(path: str, row: int, sid, messages: list[dict]) -> None:
+    """What ingest guarantees, checked on shards from elsewhere: an id, and known roles with text."""
+    if not isinstance(sid, str) or not sid:
+        raise PipelineError(f"{path}: row {row} has no sample_id")
+    for i, m in enumerate(messages or []):
+        if m.get("role") not in ROLES:
+            raise PipelineError(f"{path}: row {row} (sample {sid!r}): message {i} has role {m.get('role')!r}, "
+                                f"expected one of {sorted(ROLES)}")
+    if not messages:
+        raise PipelineError(f"{path}: row {row} (sample {sid!r}): no messages")
 
 
 class ShardTokenizer:
@@ -187,7 +247,14 @@ class ShardTokenizer:
 
         t0 = time.perf_counter()
         tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
-        self.masker = ChatMasker(tokenizer, enable_thinking=enable_thinking, max_length=max_length)
+        try:  # a missing or broken template fails here, before any shard is read
+            self.masker = ChatMasker(tokenizer, enable_thinking=enable_thinking, max_length=max_length)
+        except ValueError as exc:
+            raise PipelineError(f"{model_dir}: {exc} (tokenize renders conversations with the target's "
+                                "chat template: tokenizer_config.json 'chat_template' or chat_template.jinja)") from None
+        except TEMPLATE_ERRORS as exc:
+            raise PipelineError(f"{model_dir}: the chat template fails on a plain user/assistant exchange "
+                                f"({type(exc).__name__}: {exc})") from None
         self.pattern = control_token_pattern(tokenizer)
         self.batch_size, self.trivial_tokens = batch_size, trivial_tokens
         self.settings = {"max_length": max_length, "enable_thinking": enable_thinking, "trivial_tokens": trivial_tokens,
@@ -196,7 +263,7 @@ class ShardTokenizer:
 
     def shard(self, input_path: str, out_tokens: str, out_audit: str) -> dict:
         t0 = time.perf_counter()
-        raw = pq.read_table(input_path)
+        raw = read_conversations(input_path)
         # completions: the assistant turns were written by the target itself, not by a user who could forge turns
         trusted = frozenset({"assistant"}) if "status" in raw.column_names else frozenset()
         table, failed = successful_rows(raw)
@@ -205,6 +272,8 @@ class ShardTokenizer:
         token_ids = token_id_columns(table)  # regenerated rows: the target's own ids, no text round trip
         for lo in range(0, table.num_rows, self.batch_size):
             conversations = table.column("messages").slice(lo, self.batch_size).to_pylist()
+            for k, messages in enumerate(conversations):
+                check_conversation(input_path, lo + k, ids[lo + k], messages)
             part = _encode_batch(self.masker, ids[lo:lo + self.batch_size], conversations, audit, self.pattern,
                                  trusted, token_ids[lo:lo + self.batch_size])
             if part is not None:
