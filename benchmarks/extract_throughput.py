@@ -22,6 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from gpu_rates import matmul_rate  # benchmarks/ is on sys.path when run as a script
+
 from dflash_pipeline.hidden_states.capture import LayerCapture
 from dflash_pipeline.hidden_states.extract import ExtractSettings, extract_shard
 
@@ -36,19 +38,6 @@ def write_tokens(path, lengths, vocab, seed=0):
                         ("loss_mask", pa.list_(pa.int8()))])
     pq.write_table(pa.table({"sample_id": [f"b-{i:06d}" for i in range(len(lengths))], "input_ids": ids,
                              "loss_mask": masks}, schema=schema), path)
-
-
-def matmul_rate(dev):
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        a @ b
-    torch.cuda.synchronize()
-    return 20 * 2 * 8192 ** 3 / (time.perf_counter() - t)
 
 
 def parse_args():

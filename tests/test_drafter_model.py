@@ -199,3 +199,48 @@ def test_training_labels_are_same_position_not_shifted(parts):
     shifted = block_loss(_PositionOracle(cfg, head, batch.input_ids, 1), head, batch, feats, gamma=7.0)
     assert float(shifted.correct.sum()) < 0.1 * float(shifted.count.sum())
     assert float(shifted.loss) > float(right.loss) + 1.0
+
+
+def _tile_sets(m):
+    """Per (batch, query tile): the sorted partial and full key tiles of a BlockMask."""
+    out = []
+    for bi in range(m.kv_num_blocks.shape[0]):
+        for qi in range(m.kv_num_blocks.shape[2]):
+            k, f = int(m.kv_num_blocks[bi, 0, qi]), int(m.full_kv_num_blocks[bi, 0, qi])
+            out.append((sorted(m.kv_indices[bi, 0, qi, :k].tolist()), sorted(m.full_kv_indices[bi, 0, qi, :f].tolist())))
+    return out
+
+
+@pytest.mark.parametrize("b,n,s,bs", [(2, 24, 300, 16), (2, 16, 256, 16), (1, 40, 1000, 8), (3, 16, 400, 16)])
+def test_tile_block_mask_equals_create_block_mask(b, n, s, bs):
+    """The BlockMask counted per tile (the training default) has exactly the tiles create_block_mask finds by
+    evaluating every (query, key) pair: same skipped, partial and full tiles, also at ragged edges."""
+    from dflash_pipeline.drafter.masks import flex_block_mask, tile_block_mask
+
+    g = torch.Generator().manual_seed(s)
+    anchors = torch.sort(torch.randint(s // 2, s, (b, n), generator=g), dim=1).values
+    valid = torch.arange(n).expand(b, n) < n - 3  # the last blocks are padding
+    ref, new = flex_block_mask(anchors, valid, s, bs), tile_block_mask(anchors, valid, s, bs)
+    assert _tile_sets(new) == _tile_sets(ref)
+    assert new.seq_lengths == ref.seq_lengths
+    assert any(p for p, _ in _tile_sets(new)) and any(f for _, f in _tile_sets(new))  # both kinds occur
+
+
+def test_chunked_head_cross_entropy_equals_the_plain_path(parts):
+    """Chunked LM head + CE (gradient computed in the forward) gives the plain path's loss, gradients and
+    per-position accuracy, with chunks that do not divide the token count."""
+    cfg, head, drafter, target = parts
+    batch, feats = _batch(cfg, target)
+    res = {}
+    for chunk in (0, 7, 4096):
+        drafter.zero_grad()
+        out = block_loss(drafter, head, batch, feats, 7.0, head_chunk=chunk)
+        out.loss.backward()
+        res[chunk] = (out, torch.cat([p.grad.flatten() for p in drafter.parameters()]))
+    plain, grad0 = res[0]
+    for chunk in (7, 4096):
+        out, grad = res[chunk]
+        assert abs(float(out.loss) - float(plain.loss)) < 1e-6 * float(plain.loss)
+        assert float((grad - grad0).norm() / grad0.norm()) < 1e-5
+        assert torch.equal(out.correct, plain.correct) and torch.equal(out.count, plain.count)
+        assert torch.allclose(out.ce_sum, plain.ce_sum, rtol=1e-5)

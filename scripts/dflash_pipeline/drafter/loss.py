@@ -10,12 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-
 from dflash_pipeline.drafter.batch import Batch
-from dflash_pipeline.drafter.masks import dense_block_mask, flex_block_mask
+from dflash_pipeline.drafter.head_loss import head_cross_entropy
+from dflash_pipeline.drafter.masks import dense_block_mask, flex_block_mask, tile_block_mask
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.target_head import TargetHead
+
+
+# attention -> mask builder: dense bool mask for SDPA (CPU); flex BlockMask built from per-tile counts, or
+# ("flex-create", the earlier path, kept for benchmarks/train_throughput.py) by torch's create_block_mask
+MASK_BUILDERS = {"sdpa": dense_block_mask, "flex": tile_block_mask, "flex-create": flex_block_mask}
 
 
 def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
@@ -39,11 +43,12 @@ class BlockLoss:
 
 def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features: torch.Tensor, gamma: float,
                attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
-               labels: torch.Tensor | None = None) -> BlockLoss:
+               labels: torch.Tensor | None = None, head_chunk: int = 0) -> BlockLoss:
     """One forward of all blocks of the batch and the decay-weighted same-position cross-entropy.
 
     `labels` [B, S]: the token expected at each position (default: the data, `batch.input_ids`); block
-    position k of the block anchored at p is scored against labels[p + k].
+    position k of the block anchored at p is scored against labels[p + k]. `head_chunk` > 0: the LM head and
+    CE run over that many scored tokens at a time (head_loss.py), never holding all logits.
     """
     bs = drafter.config.block_size
     hidden = draft_all_blocks(drafter, head, batch, features, attention, compute_dtype)   # [B, N*bs, H]
@@ -52,15 +57,14 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features:
     if int(sel.sum()) == 0:
         z = torch.zeros(bs, device=hidden.device)
         return BlockLoss(hidden.sum() * 0.0, 0.0, z, z.clone(), z.clone(), 0, b * n * bs)
-    logits = head.lm_head(hidden.reshape(-1, hidden.shape[-1])[sel])
-    ce = F.cross_entropy(logits.float(), y, reduction="none")
+    ce, top = head_cross_entropy(hidden.reshape(-1, hidden.shape[-1])[sel], head.lm_head.weight, y, head_chunk)
     wsum = w.sum()
     loss = (ce * w).sum() / wsum
     with torch.no_grad():
         def per_position(values):
             return torch.zeros(bs, device=ce.device).index_add_(0, pos_k, values)
 
-        count, correct = per_position(torch.ones_like(ce)), per_position((logits.argmax(-1) == y).float())
+        count, correct = per_position(torch.ones_like(ce)), per_position((top == y).float())
         ce_sum = per_position(ce.detach())
     return BlockLoss(loss, float(wsum), count, correct, ce_sum, int(sel.sum()), int(batch.block_valid.sum()) * bs)
 
@@ -78,8 +82,7 @@ def draft_all_blocks(drafter, head: TargetHead, batch: Batch, features: torch.Te
     emb = head.embed(noise.view(b, n * bs)).to(dtype)
     ctx_pos = torch.arange(s, device=dev).expand(b, s)
     blk_pos = (anchors[:, :, None] + torch.arange(bs, device=dev)).view(b, n * bs)
-    make_mask = flex_block_mask if attention == "flex" else dense_block_mask
-    return drafter(emb, features.to(dtype), ctx_pos, blk_pos, make_mask(anchors, valid, s, bs))
+    return drafter(emb, features.to(dtype), ctx_pos, blk_pos, MASK_BUILDERS[attention](anchors, valid, s, bs))
 
 
 def scored_labels(batch: Batch, labels: torch.Tensor, bs: int, gamma: float):

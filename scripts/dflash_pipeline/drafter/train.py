@@ -83,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto",
                    help="auto: flex attention (block-sparse) on GPU, dense-mask SDPA on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the drafter layers (GPU)")
+    p.add_argument("--head-chunk", type=int, default=2048,
+                   help="scored block tokens per LM-head/CE chunk (0: all logits at once; head_loss.py)")
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch threads on CPU (1: tiny models run far faster without OpenMP spinning on shared cores)")
     p.add_argument("--trust-remote-code", action="store_true",
@@ -269,7 +271,8 @@ def train_step(run: TrainingRun, micro, metrics: StepMetrics) -> torch.Tensor:
         sync = run.model.no_sync() if ddp and m < len(micro) - 1 else contextlib.nullcontext()
         with sync, torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.gpu):
             out = block_loss(drafter_call, run.head, batch, feats, run.args.gamma, attention=run.attention,
-                             compute_dtype=torch.bfloat16 if run.gpu else torch.float32, labels=labels)
+                             compute_dtype=torch.bfloat16 if run.gpu else torch.float32, labels=labels,
+                             head_chunk=run.args.head_chunk)
             (out.loss / len(micro)).backward()
         metrics.add(out, batch.num_tokens)
     if run.args.grad_clip > 0:
