@@ -37,3 +37,7 @@ rule all:
     default_target: True
     input:
         final_output(),
+
+
+# after every rule exists: the seconds of checks that stop a doomed run before its first job (rules/common.smk)
+run_preflight()

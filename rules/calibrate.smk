@@ -30,6 +30,7 @@ rule calibrate:
     input:
         sample=os.path.join(R, "calibration/sample.parquet"),
         model=target_model_files(),
+        backend=backend_ready,  # checked before any job: the backend is installed (nothing to wait for)
     output:
         CALIBRATION,
     log:

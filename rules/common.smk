@@ -6,11 +6,18 @@ import shlex
 import shutil
 import sys
 
+from snakemake.resources import Resources
 from snakemake.utils import validate
 
 from dflash_pipeline.cluster.launch_torchrun import train_resources
+from dflash_pipeline.generation.sglang_flags import version as sglang_flags_version
+from dflash_pipeline.planning import preflight
 
-validate(config, "schemas/config.schema.yaml")
+# a misspelled key is one line per mistake (Snakemake's own message prints the whole schema after it)
+_CONFIG_PROBLEMS = preflight.schema_errors(config, os.path.join(workflow.current_basedir, "schemas/config.schema.yaml"))
+if _CONFIG_PROBLEMS:
+    raise WorkflowError("\n".join(_CONFIG_PROBLEMS))
+validate(config, "schemas/config.schema.yaml")  # fills in the schema's defaults
 
 R = config["results"]
 # Every rule calls a stage of the project's command, `dflash-pipeline`. When snakemake runs from a venv that is
@@ -60,6 +67,10 @@ def raw_input(wildcards):
     return path
 
 
+# The demo builds its raw files and its tiny target with rules, only at the demo's own paths: a
+# target.model_path or an input elsewhere is the user's, read and never written, whatever demo.enabled says.
+DEMO_DATA_DIR = "data/demo"
+DEMO_TARGET_DIR = "resources/demo-target"
 # every file `dflash-pipeline tiny-model` writes: all are declared, so under S3 storage the whole model
 # directory travels to the jobs that need it (config.json first: target_model_dir() takes its directory)
 DEMO_TARGET_FILES = [
@@ -73,16 +84,34 @@ DEMO_TARGET_FILES = [
 ]
 
 
+def is_demo_path(path, demo_dir):
+    """True for the demo's own relative path (or a path under it), never for a user's path."""
+    norm = os.path.normpath(str(path))
+    return not os.path.isabs(norm) and (norm == demo_dir or norm.startswith(demo_dir + os.sep))
+
+
+DEMO_BUILDS_TARGET = config["demo"]["enabled"] and is_demo_path(config["target"]["model_path"], DEMO_TARGET_DIR)
+
+
+def demo_target_files():
+    """The tiny target's files: the demo rule's outputs, at the demo's own path only."""
+    return [os.path.join(DEMO_TARGET_DIR, f) for f in DEMO_TARGET_FILES]
+
+
+def demo_data_files():
+    """The configured inputs that the demo builds (those at its own path only)."""
+    return [path for path in RAW_INPUTS.values() if is_demo_path(path, DEMO_DATA_DIR)]
+
+
 def target_model_files():
-    """Files that make the target model an input, so demo jobs wait for the rule that builds it."""
-    if config["demo"]["enabled"]:
-        return [os.path.join(config["target"]["model_path"], f) for f in DEMO_TARGET_FILES]
-    return []
+    """Files that make the target model an input, so demo jobs wait for the rule that builds it (only the
+    demo's own target: a user's model directory is never a job's output)."""
+    return demo_target_files() if DEMO_BUILDS_TARGET else []
 
 
 def target_model_dir(input_files):
     """The model directory as a job sees it (a storage-local copy when inputs come from S3)."""
-    if config["demo"]["enabled"]:
+    if DEMO_BUILDS_TARGET:
         return os.path.dirname(str(input_files[0]))
     return config["target"]["model_path"]
 
@@ -293,6 +322,12 @@ def plan_calibration():
 # ------------------------------------------------------------------ extraction and training
 
 EXTRACT = config["extract"]
+# what the plan and the cost preview read of the config
+PLAN_CONFIG = json.dumps(
+    {k: config.get(k) for k in ("generate", "tokenize", "extract", "drafter", "train", "cost")},
+    sort_keys=True,
+    default=str,
+)
 
 
 def drafter_layers_json():
@@ -355,3 +390,47 @@ def report_inputs(wildcards):
     if config["train"]["mode"] == "offline":  # hidden-state shards exist only when training reads them
         inputs["extraction"] = expand(os.path.join(R, "hidden/{shard}.stats.json"), shard=shard_ids())
     return inputs
+
+
+# ------------------------------------------------------------------ preflight
+
+
+def backend_ready(wildcards):
+    """An input function of `calibrate`, the first job that starts the generation backend: it runs when the DAG
+    holds that job (a cost preview needs no sglang), before any job, and again inside the job on its node."""
+    if preflight.executor_name(sys.argv[1:], os.environ) != "kubernetes":  # a pod runs the image's sglang
+        problems = preflight.backend_problems(GEN, sglang_flags_version())
+        if problems:
+            raise WorkflowError("preflight: " + "\npreflight: ".join(problems))
+    return []
+
+
+def _known_resources(resources):
+    """{name: value} of resources before a job exists (one computed per job, or given as an expression on the
+    command line or in a profile, by its text)."""
+    return {name: res.raw if res.is_evaluable() else res.value for name, res in resources.items()}
+
+
+def run_preflight():
+    """Seconds of checks before any job (README: "Before the first run"): the target directory, the generation
+    backend, the inputs' reachability and every GPU rule's resources on this invocation's executor. Called by
+    the Snakefile once every rule exists; jobs on a cluster (remote mode) were checked when they were submitted."""
+    if workflow.remote_exec or workflow.subprocess_exec:
+        return
+    executor = preflight.executor_name(sys.argv[1:], os.environ)
+    storage_provider = workflow.storage_settings.default_storage_provider
+    problems = []
+    if not DEMO_BUILDS_TARGET and executor != "kubernetes":  # a pod's model lives in its image
+        problems += preflight.target_problems(config["target"]["model_path"])
+    remote = (
+        f"{storage_provider} {workflow.storage_settings.default_storage_prefix or ''}" if storage_provider else None
+    )
+    problems += preflight.input_problems(RAW_INPUTS, set(demo_data_files()), remote)
+    rules_resources = {r.name: _known_resources(r.resources) for r in workflow.rules}
+    overrides = {
+        name: _known_resources(Resources.from_mapping(m))
+        for name, m in workflow.resource_settings.overwrite_resources.items()
+    }
+    problems += preflight.resource_problems(rules_resources, overrides, config, executor, f"executor {executor}")
+    if problems:
+        raise WorkflowError("preflight: " + "\npreflight: ".join(problems))

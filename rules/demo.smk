@@ -1,10 +1,11 @@
-# The demo's raw data and tiny target are built by rules, so a fresh clone needs no download.
+# The demo's raw data and tiny target are built by rules, so a fresh clone needs no download. Their outputs are
+# the demo's own paths only (data/demo/, resources/demo-target/): a user's model or input is never written.
 
 if config["demo"]["enabled"]:
 
     rule demo_data:
         output:
-            [path for path in RAW_INPUTS.values() if path.startswith("data/demo/")],
+            demo_data_files(),
         log:
             log("demo_data"),
         conda:
@@ -19,7 +20,7 @@ if config["demo"]["enabled"]:
 
     rule tiny_target:
         output:
-            target_model_files(),
+            demo_target_files(),
         log:
             log("tiny_target"),
         benchmark:

@@ -19,6 +19,8 @@ rule evaluate:
         ENV_GPU
     resources:
         gpu=EVAL["gpus"],
+        runtime=EVAL["runtime_min"],
+        mem_mb=EVAL["mem_mb"],
     params:
         model=lambda wc, input: target_model_dir(input.model),
         settings=stage_settings("evaluate", **TRUST),

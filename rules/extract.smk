@@ -1,6 +1,27 @@
 # Hidden-state extraction (GPU-tagged, one job per shard) and the plan printed before any GPU work.
 
 
+rule preview:
+    # the cost preview: CPU jobs only (ingest, tokenize, this), generation priced from config generate.assumed
+    input:
+        tokens=lambda wc: expand(os.path.join(R, "tokens/source/{shard}.parquet"), shard=shard_ids()),
+        model=target_model_files(),
+    output:
+        os.path.join(R, "preview.txt"),
+    log:
+        log("preview"),
+    conda:
+        ENV_CPU
+    params:
+        model=lambda wc, input: target_model_dir(input.model),
+        config=PLAN_CONFIG,
+        stats=os.path.join(R, "hidden/*.stats.json"),
+    shell:
+        "dflash-pipeline plan --tokens {input.tokens:q} --model {params.model:q} --config {params.config:q} "
+        "--hidden-stats {params.stats:q} --assume-generation --out {output:q} 2>&1 | tee {log:q}; "
+        "exit ${{PIPESTATUS[0]}}"
+
+
 rule plan:
     input:
         tokens=lambda wc: expand(os.path.join(R, "tokens/source/{shard}.parquet"), shard=shard_ids()),
@@ -15,11 +36,7 @@ rule plan:
         ENV_CPU
     params:
         model=lambda wc, input: target_model_dir(input.model),
-        config=json.dumps(
-            {k: config.get(k) for k in ("generate", "tokenize", "extract", "drafter", "train", "cost")},
-            sort_keys=True,
-            default=str,
-        ),
+        config=PLAN_CONFIG,
         stats=os.path.join(R, "hidden/*.stats.json"),
     shell:
         # printed to the terminal as well: this is what the user must read before the GPUs start
@@ -48,10 +65,15 @@ rule extract:
     threads: EXTRACT["encode_threads"]
     resources:
         gpu=EXTRACT["gpus"],
+        runtime=EXTRACT["runtime_min"],
+        mem_mb=EXTRACT["mem_mb"],
     params:
         model=lambda wc, input: target_model_dir(input.model),
         settings=stage_settings(
-            "extract", drop=("assumed_tokens_per_s", "warn_bytes"), drafter_config=drafter_layers_json(), **TRUST
+            "extract",
+            drop=("assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes"),
+            drafter_config=drafter_layers_json(),
+            **TRUST,
         ),
     shell:
         # a killed job leaves {output.hidden}.partial + .journal behind: the rerun resumes from them

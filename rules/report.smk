@@ -40,5 +40,6 @@ localrules:
     evaluate_gate,
     run_report,
     plan,
+    preview,
     calibration_sample,
     export,

@@ -18,6 +18,8 @@ rule train:
     resources:
         # one node: gpu=N; several (SLURM): a per-node GRES, one task per node, mpi (see launch_torchrun)
         **train_resources(TRAIN["nodes"], TRAIN["gpus"]),
+        runtime=TRAIN["runtime_min"],
+        mem_mb=TRAIN["mem_mb"],
         # what the launcher needs, as resources (not params): resizing a run resumes its checkpoints
         gpus_per_node=TRAIN["gpus"],
         nnodes=TRAIN["nodes"],

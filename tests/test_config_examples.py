@@ -10,6 +10,7 @@ import importlib
 import json
 import re
 import shlex
+import sys
 
 import jsonschema
 import pytest
@@ -59,6 +60,38 @@ def _commands(dry_run_output: str) -> dict[str, list[list[str]]]:
     return by_rule
 
 
+def _resources(dry_run_output: str) -> dict[str, dict[str, str]]:
+    """{rule: {resource: value}} of the planned jobs (the last job of each rule)."""
+    found = re.findall(r"rule (\w+):\n(?:    .*\n)*?    resources: (.*)", dry_run_output)
+    return {rule: dict(kv.split("=", 1) for kv in text.split(", ")) for rule, text in found}
+
+
+def _check_slurm_placement(work, configs, cfg) -> None:
+    """On the SLURM profile every GPU job goes to the gpu partition with the profile's GPU model; its GPU count,
+    runtime and memory are the config's (the profile places, the config sizes)."""
+    proc = snakemake(work, "-n", profile="profiles/slurm", configfiles=configs)
+    resources = _resources(proc.stdout + proc.stderr)
+    for rule, section in (("calibrate", "generate"), ("generate_group", "generate"), ("extract", "extract"),
+                          ("train", "train"), ("evaluate", "evaluate")):
+        got, want = resources[rule], cfg[section]
+        # train: no model (several nodes take a per-node GRES; the partition picks the type, see the profile)
+        assert (got["slurm_partition"], got.get("gpu_model")) == ("gpu", None if rule == "train" else "h100"), got
+        assert (got["gpu"], got["runtime"], got["mem_mb"]) == tuple(
+            str(want[k]) for k in ("gpus", "runtime_min", "mem_mb")), (rule, got, want)
+    for rule in ("shard", "tokenize", "audit"):
+        assert resources[rule]["slurm_partition"] == "cpu" and "gpu" not in resources[rule], (rule, resources[rule])
+
+
+def _check_preview_needs_no_gpu(work, configs) -> None:
+    """The cost preview the example names runs CPU jobs only and prices generation from ASSUMED figures."""
+    plan = planned(snakemake(work, "-n", "results/preview.txt", configfiles=configs))
+    assert set(plan) == {"tokenize", "preview"} | ({"shard"} & set(plan)), plan
+    snakemake(work, "results/preview.txt", "--cores", "2", configfiles=configs)
+    text = (work / "results/preview.txt").read_text()
+    assert "generate, projected from ASSUMED figures (750 output tok/s per GPU, 2,500 output tokens" in text, text
+    assert "GPU-hours" in text and "extract GPU time" in text
+
+
 def _stage_call(argv: list[str]) -> tuple[str | None, str | None]:
     """The last `dflash-pipeline STAGE` of a command line (after with-gpus/launch-torchrun) and its --settings."""
     starts = [i for i, a in enumerate(argv) if a == "dflash-pipeline"]
@@ -77,6 +110,8 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
     cfg["inputs"] = [str(p) for p in sorted(demo_raw.iterdir())]
     cfg["target"]["model_path"] = str(tiny_target)
     cfg["target"]["trust_remote_code"] = True  # must reach every stage that loads the target
+    # the stand-in SGLang server (sglang needs a GPU machine): the preflight then checks no installed sglang
+    cfg["generate"]["sglang"]["launch_command"] = [sys.executable, str(REPO / "tests" / "sglang_test_server.py")]
     work = make_workdir(tmp_path / "w")
     (work / "example.yaml").write_text(yaml.safe_dump(cfg))
     configs = ("example.yaml",)
@@ -96,6 +131,8 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
     resources = dict(re.findall(r"rule (\w+):\n(?:    .*\n)*?    resources: (.*)", out))
     assert "gpu=8" in resources["generate_group"] and "gpu=8" in resources["train"]
     assert "gpu=1" in resources["extract"] and "gpu=1" in resources["evaluate"]
+    _check_slurm_placement(work, configs, cfg)
+    _check_preview_needs_no_gpu(work, configs)
     generate_argv = commands["generate_group"][0]
     sglang = json.loads(json.loads(generate_argv[generate_argv.index("--settings") + 1])["sglang_json"])
     assert sglang["dp_size"] == 8 and sglang["context_length"] == 16384

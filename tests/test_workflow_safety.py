@@ -1,5 +1,6 @@
 """The real Snakefile with hostile paths: a raw file name that is a shell injection, spaces in the results
-directory, the input directory and the model directory; and a misspelled config key that must be an error."""
+directory, the input directory and the model directory; a user's model directory beside the demo (never a job's
+output); and a misspelled config key that must be an error."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import shutil
 import pytest
 import yaml
 
-from workflow_runs import make_workdir, snakemake
+from workflow_runs import make_workdir, planned_outputs, snakemake
 
 HOSTILE = "x$(touch PWNED) `touch PWNED2`; y.jsonl"
 
@@ -22,20 +23,23 @@ def test_hostile_file_names_reach_the_gate_unharmed(tmp_path, tiny_target, demo_
     # the demo's JSON array as JSONL, under a name that runs `touch` if a rule passes it to the shell unquoted
     records = json.loads((demo_raw / "sharegpt_part1_cleaned_split.json").read_text())
     (raw / HOSTILE).write_text("".join(json.dumps(r) + "\n" for r in records))
-    shutil.copytree(tiny_target, work / "my model")
-    cfg = {
-        "results": "my results",
-        "inputs": ["raw data/*.jsonl"],
-        "target": {"model_path": "my model"},
-        "demo": {"enabled": False},
-        "generate": {"enabled": False},
-    }
+    # the user's model, not the demo's: demo.enabled stays true (config/config.yaml), the model is given with
+    # --config as a user would, and a file the demo's tiny model has (demo_target.json) is missing from it
+    model = work / "my model"
+    shutil.copytree(tiny_target, model)
+    (model / "demo_target.json").unlink()
+    model_bytes = {p.name: p.read_bytes() for p in model.iterdir()}
+    cfg = {"results": "my results", "inputs": ["raw data/*.jsonl"], "generate": {"enabled": False}}
     (work / "hostile.yaml").write_text(yaml.safe_dump(cfg))
-    proc = snakemake(work, "--cores", "2", "my results/audit/source/report.json", configfiles=("hostile.yaml",),
-                     check=False)
+    args = ("my results/audit/source/report.json", "--config", "target={model_path: my model}")
+    dry = snakemake(work, "-n", *args, configfiles=("hostile.yaml",))
+    outputs = planned_outputs(dry)
+    assert outputs and not [o for o in outputs if o.startswith("my model")], outputs
+    proc = snakemake(work, "--cores", "2", *args, configfiles=("hostile.yaml",), check=False)
     out = proc.stdout + proc.stderr
     assert not list(tmp_path.rglob("PWNED*")), "a file name was executed by the shell"
     assert proc.returncode == 0, out[-6000:]
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == model_bytes, "the user's model directory changed"
     report = json.loads((work / "my results/audit/source/report.json").read_text())
     files = report["ingest"]["files"]
     assert len(files) == 1

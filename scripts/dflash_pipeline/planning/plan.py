@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dflash_pipeline import storage
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.planning.projection import (
-    RunShape, fmt_hours, gate_failures, project_generation, render_generation,
+    RunShape, assumed_calibration, fmt_hours, gate_failures, project_generation, render_generation,
 )
 from dflash_pipeline.target_layers import resolve_target_layer_ids
 
@@ -190,6 +190,21 @@ def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: di
     return plan
 
 
+def shard_bytes_warning(plan: dict, shards: float, limit: float) -> list[str]:
+    """A shard is one hidden-state file, written and read whole by one job: past `limit` bytes say so, with the
+    ingest.shard_size that would fit."""
+    if not shards or not limit:
+        return []
+    per_shard = plan["hidden_bytes"] / shards
+    if per_shard <= limit:
+        return []
+    samples = plan["samples"] / shards
+    fit = max(1, int(samples * limit / per_shard))
+    return ["", f"  WARNING: a shard's hidden states take {human_bytes(per_shard)} ({samples:,.0f} samples per shard), "
+                f"over extract.warn_shard_bytes {human_bytes(limit)}: one job extracts, writes and retries the whole "
+                f"file. Set ingest.shard_size to about {fit:,} (or fewer samples of shorter length)."]
+
+
 def render(plan: dict, shape: dict, layer_ids, disk_warn_bytes: float = 1 * TB) -> str:
     f = lambda x: f"{x:,.0f}"  # noqa: E731
     lines = [
@@ -245,6 +260,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=float, default=1.0, help="extrapolate to a dataset this many times larger")
     p.add_argument("--calibration", nargs="?", default=None, help="a generation calibration (`dflash-pipeline "
                    "calibrate`): project the full generation from its measured figures (no value: none)")
+    p.add_argument("--assume-generation", action="store_true", help="without a calibration, price generation from "
+                   "config generate.assumed (marked ASSUMED): the cost preview, before any GPU")
     p.add_argument("--out", help="write the plan text here (it is printed too)")
     p.add_argument("--json", help="write the plan numbers here")
 
@@ -257,6 +274,8 @@ def run(args) -> int:
     extract_cfg = cfg.get("extract") or {}
     gen_cfg = cfg.get("generate") or {}
     calibration = storage.read_json(args.calibration) if args.calibration else None
+    if calibration is None and args.assume_generation and gen_cfg.get("enabled"):
+        calibration = assumed_calibration(gen_cfg)
     jobs = generation_jobs([os.path.basename(str(t)).removesuffix(".parquet") for t in args.tokens],
                            int(gen_cfg.get("shards_per_job") or 1))
     jobs = round(jobs * args.scale)
@@ -265,6 +284,9 @@ def run(args) -> int:
                      scale=args.scale, gpu_tok_s=extract_cfg.get("assumed_tokens_per_s"), calibration=calibration,
                      jobs=jobs, cost=cfg.get("cost"))
     text = render(plan, shape, layer_ids, disk_warn_bytes=float(extract_cfg.get("warn_bytes", TB)))
+    warning = shard_bytes_warning(plan, len(args.tokens) * args.scale, float(extract_cfg.get("warn_shard_bytes") or 0))
+    if warning:
+        text += "\n".join(warning) + "\n"
     print(text, end="")
     if args.out:
         with storage.atomic_open(args.out, "w", encoding="utf-8") as fh:

@@ -28,6 +28,23 @@ class RunShape:
     gpu_hour_usd: float | None = None
 
 
+def assumed_calibration(generate: dict) -> dict:
+    """Calibration figures from config `generate.assumed` (no GPU ran): what the cost preview prices generation
+    with, marked ASSUMED everywhere it is shown. Without a mean answer length it takes max_new_tokens (a bound)."""
+    assumed = generate.get("assumed") or {}
+    gpus = max(1, int(generate.get("gpus") or 0))
+    per_gpu = float(assumed.get("output_tok_s_per_gpu") or 750.0)
+    mean = assumed.get("mean_output_tokens") or int(generate.get("max_new_tokens") or 2048)
+    return {
+        "throughput": {"output_tok_s": per_gpu * gpus, "steady_state": True},
+        "output_tokens": {"mean": float(mean)}, "startup_s": float(assumed.get("startup_s", 300.0)),
+        "requests": {"samples": 0}, "assumed": True, "finish_length_rate": None, "failure_rate": None,
+        "assumed_basis": f"{per_gpu:,.0f} output tok/s per GPU, {float(mean):,.0f} output tokens per sample"
+                         + ("" if assumed.get("mean_output_tokens") else " (max_new_tokens: an upper bound)")
+                         + f", {float(assumed.get('startup_s', 300.0)):.0f} s start-up (config generate.assumed)",
+    }
+
+
 def _timing(shape: RunShape, tokens: float, rate: float, startup_s: float, running: int | None = None) -> dict:
     job_s = shape.jobs * startup_s + tokens / max(rate, 1e-9)
     running = max(1, min(shape.jobs, running or shape.parallel_jobs))
@@ -53,6 +70,7 @@ def project_generation(cal: dict, shape: RunShape) -> dict:
         "startup_s": startup, "jobs": shape.jobs, "parallel_jobs": min(shape.jobs, shape.parallel_jobs),
         "gpus_per_job": shape.gpus_per_job, "gpu_hour_usd": shape.gpu_hour_usd,
         "finish_length_rate": cal.get("finish_length_rate"), "failure_rate": cal.get("failure_rate"),
+        "assumed_basis": cal.get("assumed_basis"),
         **_timing(shape, tokens, rate, startup),
     }
     proj["sensitivity"] = {label: _timing(shape, tokens, rate * f, startup)
@@ -117,7 +135,9 @@ def render_generation(proj: dict) -> list[str]:
     window = proj.get("window") or {}
     cost = (f"; {_money(proj['cost_usd'])} at ${proj['gpu_hour_usd']:.2f}/GPU-hour" if proj["cost_usd"] is not None
             else ("" if not proj["gpus_per_job"] else "; set cost.gpu_hour_usd for the cost"))
-    source = (f"ASSUMED calibration figures ({proj['calibrated_samples']} samples, not measured)" if proj.get("assumed")
+    source = (f"ASSUMED figures ({proj['assumed_basis']}; not measured: the calibration measures them on the GPUs)"
+              if proj.get("assumed_basis") else
+              f"ASSUMED calibration figures ({proj['calibrated_samples']} samples, not measured)" if proj.get("assumed")
               else f"the calibration ({proj['calibrated_samples']} samples measured {window.get('start', '?')} to "
                    f"{window.get('end', '?')})")
     lines = [
@@ -132,10 +152,11 @@ def render_generation(proj: dict) -> list[str]:
         f"    wall time: {fmt_hours(proj['wall_hours'])} with {proj['parallel_jobs']} of {proj['jobs']} job(s) at a "
         f"time; {proj['gpu_hours']:,.1f} GPU-hours{cost}",
         "    sensitivity: " + "; ".join(f"{k}: {fmt_hours(v['wall_hours'])}" for k, v in proj["sensitivity"].items()),
-        f"    finish_reason=length in the calibration: {proj['finish_length_rate']:.1%}; failed: "
-        f"{proj['failure_rate']:.1%}",
         "    what changes it:",
     ]
+    if proj.get("finish_length_rate") is not None:
+        lines.insert(-1, f"    finish_reason=length in the calibration: {proj['finish_length_rate']:.1%}; failed: "
+                         f"{proj['failure_rate']:.1%}")
     for alt in proj["alternatives"]:
         figures = (f"{fmt_hours(alt['wall_hours'])}, {alt['gpu_hours']:,.1f} GPU-hours"
                    + (f", {_money(alt['cost_usd'])}" if alt.get("cost_usd") is not None else "")
