@@ -10,8 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from conftest import run_cli
-from dflash_pipeline.planning.plan import make_plan, render
-from dflash_pipeline.planning.projection import RunShape, gate_failures, project_generation
+from dflash_pipeline.planning.plan import make_plan, render, shard_bytes_warning
+from dflash_pipeline.planning.projection import (
+    RunShape, assumed_calibration, gate_failures, project_generation, render_generation,
+)
 from dflash_pipeline.report.figures import plan_vs_actual
 
 SHAPE_27B = {"hidden_size": 5120, "num_layers": 64, "active_params": 25e9, "model_type": "qwen3_5"}
@@ -150,3 +152,26 @@ def test_report_compares_calibration_and_plan_with_the_run(tmp_path):
     page = (tmp_path / "report" / "summary.html").read_text()
     assert "Calibration and plan vs actual" in page and "<td>output tok/s per job (start-up excluded)</td>" in page
     assert "Generation calibration" in page
+
+
+def test_shard_size_by_bytes_and_assumed_generation():
+    """The schema's old default, 4,096 samples per shard, is ~230 GB of hidden states per shard for an 8B target:
+    the plan says so and names the shard size that fits; the cost preview prices generation from ASSUMED figures."""
+    shape_8b = {"hidden_size": 4096, "num_layers": 36, "active_params": 7.57e9, "model_type": "qwen3"}
+    ids = [1, 9, 17, 25, 33]
+    tok = _tok(4096, 2000, 1200)  # one shard of 4,096 samples of 2,000 tokens
+    generate = {"enabled": True, "max_new_tokens": 4096, "gpus": 8, "assumed": {"output_tok_s_per_gpu": 750,
+                                                                                "mean_output_tokens": 2500}}
+    cal = assumed_calibration(generate)
+    plan = make_plan(tok, shape_8b, ids, generate=generate, tokenize={"max_length": 3072}, extract={"codec": "zstd"},
+                     calibration=cal, scale=10)
+    (blank, line) = shard_bytes_warning(plan, 10, 64e9)
+    per_shard = plan["hidden_bytes"] / 10
+    assert per_shard > 200e9, per_shard  # 4,096 x (800 + 2,500 tokens, cut at 3,072) x 40 KiB x 0.69: ~356 GB
+    assert f"{4096 * 64e9 / per_shard:,.0f}"[:3] in line and "ingest.shard_size to about" in line, line
+    assert shard_bytes_warning(plan, 10 * 8, 64e9) == []  # 512 per shard: under the limit
+    text = "\n".join(render_generation(plan["generation"]))
+    assert "projected from ASSUMED figures (750 output tok/s per GPU, 2,500 output tokens per sample" in text, text
+    assert plan["generation"]["output_tok_s_per_job"] == 6000 and "finish_reason" not in text
+    # without a mean: max_new_tokens, said to be a bound
+    assert "(max_new_tokens: an upper bound)" in assumed_calibration({**generate, "assumed": {}})["assumed_basis"]

@@ -55,4 +55,8 @@ def test_misspelled_config_keys_are_errors(tmp_path):
         (work / "bad.yaml").write_text(yaml.safe_dump(bad))
         proc = snakemake(work, "-n", configfiles=("tiny.yaml", "bad.yaml"), check=False)
         assert proc.returncode != 0
-        assert f"'{key}' was unexpected" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+        out = proc.stdout + proc.stderr
+        # one line naming the key and its closest known name, not the error followed by the whole schema
+        (line,) = [line for line in out.splitlines() if f"'{key}' was unexpected" in line]
+        assert "did you mean" in line and "properties" not in out.replace(line, ""), out[-3000:]
+        assert len(out.splitlines()) < 10, out
