@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN
+from conftest import BIN, run_cli
 from workflow_runs import changed, make_workdir, planned, planned_outputs, snakemake, snapshot, workflow_env
 
 pytestmark = pytest.mark.slow
@@ -243,3 +243,29 @@ def test_regating_does_not_redo_other_shards_generation(done_run):
     assert "generate_group" not in plan and plan.get("generate") == len(changed_shards), plan
     generated = {p for p in planned_outputs(proc) if "/completions/" in p and p.endswith(".parquet")}
     assert generated == {f"results/completions/{s}.parquet" for s in changed_shards}, generated
+
+
+def test_reset_redoes_what_forcerun_resumes(done_run):
+    """`--forcerun generate` deletes a job's outputs, not its resume state: the generation journal answers every
+    sample again and nothing is generated. `dflash-pipeline reset STAGE --yes` (README: "Redo a stage") deletes
+    both, and the next run really generates; the training checkpoints go with `reset train`."""
+    shard = next(s for s in _shards(done_run) if s.startswith("sharegpt_part2"))  # a shard no test above changed
+    target = f"results/completions/{shard}.parquet"
+    log = done_run / f"results/logs/generate/{shard}.log"
+    snakemake(done_run, target, "--forcerun", "generate", "--cores", "2")
+    assert re.search(r"(\d+) of \1 samples already done \(journal\); 0 to generate", log.read_text()), log.read_text()
+
+    listed = run_cli("reset", "generate", cwd=done_run).stdout  # without --yes: lists, deletes nothing
+    assert "would delete results/completions" in listed and (done_run / target).exists()
+    run_cli("reset", "generate", "--yes", cwd=done_run)
+    assert not (done_run / "results/completions").exists()
+    snakemake(done_run, target, "--cores", "2")
+    text = log.read_text()
+    assert "already done (journal)" not in text or re.search(r" 0 of \d+ samples already done", text), text
+    assert (done_run / target).exists()
+
+    assert (done_run / "results/train/drafter").exists()
+    run_cli("reset", "train", "--yes", cwd=done_run)
+    assert not (done_run / "results/train").exists()
+    plan = planned(snakemake(done_run, "-n", "results/train/drafter"))
+    assert plan.get("train") == 1 and plan.get("generate") == len(_shards(done_run)) - 1, plan

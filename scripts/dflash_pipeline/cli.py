@@ -65,6 +65,8 @@ STAGES = {
     "generation-gate": Stage("dflash_pipeline.planning.plan", "add_generation_gate_arguments", "run_generation_gate",
                              "stop before the full generation when its projected wall time or GPU hours exceed the "
                              "limits"),
+    "reset": Stage("dflash_pipeline.planning.reset", "add_arguments", "run",
+                   "delete a stage's outputs and resume state, so that the next run redoes it (after a fix)"),
     "hidden-verify": Stage("dflash_pipeline.hidden_states.verify", "add_arguments", "run",
                            "check hidden-state shards (footer, index, every checksum)"),
     "train": Stage("dflash_pipeline.drafter.train", "add_arguments", "run", "train the DFlash drafter", "train"),
