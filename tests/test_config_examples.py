@@ -158,3 +158,24 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
     loads_target = ("tokenize", "calibrate", "generate", "extract", "train", "export", "evaluate")
     assert all(seen[s].get("trust_remote_code") is True for s in loads_target), {s: seen.get(s) for s in loads_target}
     assert not {"gpus", "mem_mb", "runtime_min", "calibrate", "max_wall_hours"} & set(seen["generate"])
+
+
+def test_recipe_variants_are_valid_train_settings():
+    """benchmarks/recipe_variants.json (trained and evaluated by the real-target benchmark): each variant's
+    overrides validate against the schema and the train stage accepts them, and the variants differ."""
+    schema = yaml.safe_load(SCHEMA.read_text())
+    variants = json.loads((REPO / "benchmarks" / "recipe_variants.json").read_text())
+    assert 1 <= len(variants) <= 5 and len({v["name"] for v in variants}) == len(variants)
+    stage = STAGES["train"]
+    for v in variants:
+        cfg = merged("config.yaml")
+        cfg["train"].update(v["train"])
+        jsonschema.validate(cfg, schema)
+        parser = argparse.ArgumentParser()
+        getattr(importlib.import_module(stage.module), stage.add_arguments)(parser)
+        apply_settings(parser, json.dumps(v["train"]), stage.section, "train")  # raises on an unknown key
+    assert len({json.dumps(v["train"], sort_keys=True) for v in variants}) == len(variants)
+    bad = merged("config.yaml")
+    bad["train"]["loss_weighting"] = "dpase"
+    with pytest.raises(jsonschema.ValidationError, match="dpase"):
+        jsonschema.validate(bad, schema)

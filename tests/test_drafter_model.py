@@ -151,10 +151,11 @@ def test_loss_same_position_labels_and_decay(parts):
     torch.testing.assert_close(out.count, expect)
     w = decay_weights(8, 7.0)
     assert w[0] == 0 and w[1] == 1 and abs(float(w[2]) - float(np.exp(-1 / 7))) < 1e-6
-    # anchors: supervised positions with a next token, at most num_anchors, sorted
+    # anchors: supervised positions whose next token is supervised too (4 ends a turn: its block would score
+    # nothing), at most num_anchors, sorted
     mask = np.array([0, 0, 1, 1, 1, 0, 1, 1], np.uint8)
     a = sample_anchors(mask, 10, torch.Generator().manual_seed(0)).tolist()
-    assert a == [2, 3, 4, 6]
+    assert a == [2, 3, 6]
     assert len(sample_anchors(mask, 2, torch.Generator().manual_seed(0))) == 2
     out.loss.backward()
     assert drafter.fc.weight.grad is not None and head.embed.weight.grad is None
@@ -244,3 +245,42 @@ def test_chunked_head_cross_entropy_equals_the_plain_path(parts):
         assert float((grad - grad0).norm() / grad0.norm()) < 1e-5
         assert torch.equal(out.correct, plain.correct) and torch.equal(out.count, plain.count)
         assert torch.allclose(out.ce_sum, plain.ce_sum, rtol=1e-5)
+
+
+def test_loss_weightings_decay_dpace_none(parts):
+    """dpace = decay x (per block: sum over scored j >= k of prod_{i<=j} ((1-a) q_i + a)), computed here by
+    loops from the per-token CE; none = uniform weights; the three give three different losses."""
+    import math
+
+    from dflash_pipeline.drafter.loss import draft_all_blocks, scored_labels
+
+    cfg, head, drafter, target = parts
+    batch, feats = _batch(cfg, target, lengths=(30, 26), prompt=10, anchors=5)
+    bs, alpha, gamma = cfg.block_size, 0.3, 4.0
+    with torch.no_grad():
+        out = {w: block_loss(drafter, head, batch, feats, gamma, weighting=w, dpace_alpha=alpha)
+               for w in ("decay", "dpace", "none")}
+        hidden = draft_all_blocks(drafter, head, batch, feats, "sdpa", None)
+        y, w_decay, pos_k, sel = scored_labels(batch, batch.input_ids, bs, gamma)
+        ce = torch.nn.functional.cross_entropy(head.lm_head(hidden.reshape(-1, hidden.shape[-1])[sel]), y,
+                                               reduction="none")
+    flat_ce = torch.zeros(sel.shape[0])
+    flat_ce[sel] = ce
+    ref_num = ref_den = 0.0
+    for blk in range(sel.shape[0] // bs):
+        idx = range(blk * bs, (blk + 1) * bs)
+        for k in idx:
+            if not sel[k]:
+                continue
+            w = 0.0
+            for j in idx:
+                if j >= k and sel[j]:
+                    w += math.prod((1 - alpha) * math.exp(-float(flat_ce[i])) + alpha for i in idx if i <= j and sel[i])
+            w *= math.exp(-(k - blk * bs - 1) / gamma)
+            ref_num += w * float(flat_ce[k])
+            ref_den += w
+    assert abs(float(out["dpace"].loss) - ref_num / ref_den) < 1e-5
+    assert abs(float(out["none"].loss) - float(ce.mean())) < 1e-5
+    assert abs(float(out["decay"].loss) - float((ce * w_decay).sum() / w_decay.sum())) < 1e-5
+    losses = sorted(float(o.loss) for o in out.values())
+    assert losses[1] - losses[0] > 1e-4 and losses[2] - losses[1] > 1e-4

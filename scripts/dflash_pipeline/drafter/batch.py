@@ -1,7 +1,9 @@
 """Anchors and padded batches.
 
-Anchors: up to `num_anchors` random positions of a sample whose token is supervised (loss mask 1) and has at
-least one following token, drawn from a generator seeded by (seed, epoch, position in the epoch): a resumed
+Anchors: up to `num_anchors` random positions p of a sample whose token and next token are both supervised
+(loss_mask[p] = loss_mask[p + 1] = 1): the block anchored at p scores labels p + 1 ..., so an anchor on a
+turn's last supervised token would train nothing (5.1% of the former candidates on the demo data,
+benchmarks/wasted_anchors.py). Drawn from a generator seeded by (seed, epoch, position in the epoch): a resumed
 run draws the same anchors as an uninterrupted one. A batch packs all blocks of each sequence into one
 forward (see masks.py for who sees what).
 """
@@ -14,9 +16,15 @@ import numpy as np
 import torch
 
 
+def anchor_candidates(loss_mask) -> np.ndarray:
+    """Positions p whose block scores something: loss_mask[p] and loss_mask[p + 1] both set."""
+    m = np.asarray(loss_mask) > 0
+    return np.flatnonzero(m[:-1] & m[1:])
+
+
 def sample_anchors(loss_mask: np.ndarray, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
-    """Sorted anchor positions: supervised tokens followed by at least one token, at most num_anchors."""
-    valid = np.flatnonzero(np.asarray(loss_mask[:-1]) > 0)
+    """Sorted anchor positions among `anchor_candidates`, at most num_anchors."""
+    valid = anchor_candidates(loss_mask)
     if len(valid) > num_anchors:
         pick = torch.randperm(len(valid), generator=generator)[:num_anchors].numpy()
         valid = np.sort(valid[pick])

@@ -1,8 +1,14 @@
 """One forward of all blocks of a batch and the DFlash loss.
 
 Same-position labels: block position k predicts token anchor + k; position 0 is the anchor and is not
-scored; labels must be supervised and inside the sequence. Cross-entropy weighted by
-w_k = exp(-(k-1)/gamma), normalized by the sum of weights.
+scored; labels must be supervised and inside the sequence. Cross-entropy weighted per block position and
+normalized by the sum of weights. Weightings (`train.loss_weighting`):
+- decay (the paper's, the default): w_k = exp(-(k-1)/gamma);
+- dpace (D-PACE, speculators' default for DFlash, with its gamma 4): the decay times a detached weight
+  that follows how likely the block is to get that far: with q_j the drafter's probability of label j and
+  s_j = (1 - alpha) q_j + alpha, P_k = prod_{j<=k} s_j and w_k = sum_{j>=k, scored} P_j (a position counts
+  for the scored positions behind it that a mistake there would cost);
+- none: w_k = 1 (SpecForge's default).
 """
 
 from __future__ import annotations
@@ -41,10 +47,25 @@ class BlockLoss:
     block_tokens: int
 
 
+WEIGHTINGS = ("decay", "dpace", "none")
+
+
+def dpace_weights(ce: torch.Tensor, sel: torch.Tensor, bs: int, alpha: float) -> torch.Tensor:
+    """D-PACE weights of the scored tokens (flattened like `ce`), detached; `sel` [B*N*bs] marks them."""
+    with torch.no_grad():
+        q = torch.ones(sel.shape[0], device=ce.device)
+        q[sel] = (1.0 - alpha) * torch.exp(-ce.detach().float()) + alpha
+        scored = sel.view(-1, bs).float()
+        prefix = torch.cumprod(q.view(-1, bs), dim=-1)                 # unscored positions multiply by 1
+        suffix = (prefix * scored).flip(-1).cumsum(-1).flip(-1)
+        return suffix.view(-1)[sel]
+
+
 def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features: torch.Tensor, gamma: float,
                attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
-               labels: torch.Tensor | None = None, head_chunk: int = 0) -> BlockLoss:
-    """One forward of all blocks of the batch and the decay-weighted same-position cross-entropy.
+               labels: torch.Tensor | None = None, head_chunk: int = 0, weighting: str = "decay",
+               dpace_alpha: float = 0.5) -> BlockLoss:
+    """One forward of all blocks of the batch and the weighted same-position cross-entropy.
 
     `labels` [B, S]: the token expected at each position (default: the data, `batch.input_ids`); block
     position k of the block anchored at p is scored against labels[p + k]. `head_chunk` > 0: the LM head and
@@ -52,12 +73,17 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features:
     """
     bs = drafter.config.block_size
     hidden = draft_all_blocks(drafter, head, batch, features, attention, compute_dtype)   # [B, N*bs, H]
-    y, w, pos_k, sel = scored_labels(batch, batch.input_ids if labels is None else labels, bs, gamma)
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"loss weighting {weighting!r} is not one of {WEIGHTINGS}")
+    y, w, pos_k, sel = scored_labels(batch, batch.input_ids if labels is None else labels, bs,
+                                     0.0 if weighting == "none" else gamma)
     b, n = batch.anchors.shape
     if int(sel.sum()) == 0:
         z = torch.zeros(bs, device=hidden.device)
         return BlockLoss(hidden.sum() * 0.0, 0.0, z, z.clone(), z.clone(), 0, b * n * bs)
     ce, top = head_cross_entropy(hidden.reshape(-1, hidden.shape[-1])[sel], head.lm_head.weight, y, head_chunk)
+    if weighting == "dpace":
+        w = w * dpace_weights(ce, sel, bs, dpace_alpha)
     wsum = w.sum()
     loss = (ce * w).sum() / wsum
     with torch.no_grad():

@@ -34,7 +34,7 @@ from dflash_pipeline.drafter.checkpoints import CheckpointStore
 from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.distributed import Dist
 from dflash_pipeline.drafter.features import target_features, target_features_and_predictions
-from dflash_pipeline.drafter.loss import block_loss
+from dflash_pipeline.drafter.loss import WEIGHTINGS, block_loss
 from dflash_pipeline.drafter.metrics import StepMetrics, append_record, plot_metrics, read_records, summarize
 from dflash_pipeline.drafter.model import DFlashDrafter, count_parameters
 from dflash_pipeline.drafter.runtime import keeps_torch_threads, make_readable
@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--num-anchors", type=int, default=512, help="blocks per sequence (at most)")
     p.add_argument("--gamma", type=float, default=7.0, help="loss decay: w_k = exp(-(k-1)/gamma)")
+    p.add_argument("--loss-weighting", choices=list(WEIGHTINGS), default="decay",
+                   help="per block position: decay (exp(-(k-1)/gamma)), dpace (decay x D-PACE), none (see loss.py)")
+    p.add_argument("--dpace-alpha", type=float, default=0.5, help="D-PACE smoothing: s = (1 - alpha) q + alpha")
     p.add_argument("--max-length", type=int, default=3072)
     p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch per rank")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -68,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup-ratio", type=float, default=0.04)
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--adam-beta1", type=float, default=0.9)
+    p.add_argument("--adam-beta2", type=float, default=0.95)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=500)
@@ -102,12 +107,20 @@ def lr_lambda_factory(total_steps: int, warmup_steps: int):
     return fn
 
 
+def recipe_settings(args) -> dict:
+    """The recipe choices beyond the paper's (benchmarks/recipe_variants.json measures them)."""
+    return {"loss_weighting": args.loss_weighting, "dpace_alpha": args.dpace_alpha,
+            "adam_betas": [args.adam_beta1, args.adam_beta2], "warmup_ratio": args.warmup_ratio,
+            "weight_decay": args.weight_decay}
+
+
 def run_fingerprint(args, dcfg: DrafterConfig, total_steps: int, global_batch: int, source) -> dict:
     """What a checkpoint must match to be resumed from: settings that change the weights, and the data."""
     return {
         "drafter": dcfg.to_dict(), "seed": args.seed, "lr": args.lr, "total_steps": total_steps,
         "global_batch": global_batch, "samples": len(source), "gamma": args.gamma, "num_anchors": args.num_anchors,
         "max_length": args.max_length, "mode": args.mode, "labels": args.labels,
+        "recipe": recipe_settings(args),
         "holdout_fraction": args.holdout_fraction, "data": source.identity(),
     }
 
@@ -218,7 +231,7 @@ def setup_run(args) -> TrainingRun:
     torch.manual_seed(args.seed)
     drafter = DFlashDrafter(dcfg).to(dev)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                            betas=(0.9, 0.95), fused=dev.type == "cuda" or None)
+                            betas=(args.adam_beta1, args.adam_beta2), fused=dev.type == "cuda" or None)
     warmup = int(math.ceil(args.warmup_ratio * total_steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_factory(total_steps, warmup))
     attention = args.attention if args.attention != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
@@ -272,7 +285,8 @@ def train_step(run: TrainingRun, micro, metrics: StepMetrics) -> torch.Tensor:
         with sync, torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.gpu):
             out = block_loss(drafter_call, run.head, batch, feats, run.args.gamma, attention=run.attention,
                              compute_dtype=torch.bfloat16 if run.gpu else torch.float32, labels=labels,
-                             head_chunk=run.args.head_chunk)
+                             head_chunk=run.args.head_chunk, weighting=run.args.loss_weighting,
+                             dpace_alpha=run.args.dpace_alpha)
             (out.loss / len(micro)).backward()
         metrics.add(out, batch.num_tokens)
     if run.args.grad_clip > 0:
