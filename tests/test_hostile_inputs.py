@@ -361,3 +361,38 @@ def test_tokenize_names_the_file_and_the_problem_of_a_wrong_schema(tokenizer_dir
                                  "--out", tmp_path / "t.parquet", "--audit", tmp_path / "a.json"),
                         f"{name}.parquet", why)
     assert not (tmp_path / "t.parquet").exists()
+
+
+# ------------------------------------------------------------------------------ 2: answers of another model
+GEN_FAST = ["--backend", "servers", "--backoff-base", "0.02", "--backoff-max", "0.2", "--revive-after", "0.5",
+            "--progress-interval", "0.5", "--max-new-tokens", "32"]
+
+
+def test_generate_without_model_never_reuses_another_models_answers(tiny_target, tmp_path, capsys, caplog):
+    """`generate --backend servers` without --model, against servers reporting weight_version "default"
+    (SGLang's unless started with --weight-version): the model is identified by the model_path they report."""
+    from generation_helpers import SGLangTestServer, read_summary, write_shard
+
+    write_shard(tmp_path / "in.parquet", 4, seed=71)
+    model = tmp_path / "served"  # the model directory the servers report, visible here
+    shutil.copytree(tiny_target, model)
+    out = tmp_path / "s-00000.parquet"
+    gen = ["generate", "--input", tmp_path / "in.parquet", "--out", out, *GEN_FAST]
+    with SGLangTestServer(model, engine="instant") as server:
+        assert cli_main(capsys, *gen, "--servers", server.url).returncode == 0
+        weights = model / "model.safetensors"
+        weights.write_bytes(weights.read_bytes() + b"\0")  # another model served under the same path
+        assert cli_main(capsys, *gen, "--servers", server.url).returncode == 0
+        assert read_summary(out)["resumed_from_journal"] == 0  # (with the same weights it resumes: test_generation)
+
+    # a model_path this machine cannot see, weight_version "default": nothing identifies the weights
+    out2 = tmp_path / "s-00001.parquet"
+    gen2 = ["generate", "--input", tmp_path / "in.parquet", "--out", out2, *GEN_FAST]
+    with SGLangTestServer(Path("remote-org/remote-model"), engine="instant") as server:
+        assert cli_main(capsys, *gen2, "--servers", server.url).returncode == 0
+        assert "weights cannot be identified" in caplog.text
+        _one_line_error(cli_main(capsys, *gen2, "--servers", server.url), "s-00001.jsonl: holds 4 answers, not "
+                        "reused", "'remote-org/remote-model' is not a directory", "weight_version is 'default'")
+    with SGLangTestServer(Path("remote-org/remote-model"), "--weight-version", "v7", engine="instant") as server:
+        assert cli_main(capsys, *gen2, "--servers", server.url).returncode == 0  # identified by its version
+        assert read_summary(out2)["resumed_from_journal"] == 0

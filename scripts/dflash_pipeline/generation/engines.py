@@ -153,6 +153,7 @@ class HTTPEngine:
         self.api_key = api_key  # SGLang --api-key: sent as a bearer token, never logged
         self.context_length = context_length
         self.weight_version: str | None = None
+        self.served_model_path: str | None = None  # /model_info's model_path, whatever --model-name says
         self.dead_after = dead_after
         self.revive_after_s = revive_after_s
         self.revive_max_s = revive_max_s
@@ -247,6 +248,7 @@ class HTTPEngine:
             card = ((await self._get_json(e, "/v1/models")).get("data") or [{}])[0]
             card = card if isinstance(card, dict) else {}
             self.model = self.model or info.get("model_path") or card.get("id")
+            self.served_model_path = self.served_model_path or info.get("model_path")
             self.weight_version = self.weight_version or info.get("weight_version")
             if self.context_length is None and isinstance(card.get("max_model_len"), int):
                 self.context_length = card["max_model_len"]

@@ -46,10 +46,15 @@ class ShardJob:
         self.t0 = time.monotonic()
         self.finalized = False
 
-    def open(self, settings: dict, args) -> None:
+    def open(self, settings: dict, args, unidentified: str | None = None) -> None:
+        """Open the journal; `unidentified` (why the weights cannot be identified) refuses to reuse its answers."""
         self.journal = Journal(self.journal_path, self.name, settings, flush_every=args.flush_every,
                                flush_interval_s=args.flush_interval, mirror=self.mirror,
                                mirror_interval_s=args.mirror_interval)
+        if unidentified and self.journal.done:
+            n = len(self.journal.done)
+            self.journal.close()
+            raise PipelineError(f"{self.journal_path}: holds {n} answers, not reused: {unidentified}")
         wanted = {r["sample_id"] for r in self.rows}
         stray = set(self.journal.done) - wanted
         if stray:

@@ -170,13 +170,33 @@ def request_settings(args) -> tuple[SamplingParams, Policy]:
     return params, policy
 
 
+# SGLang's weight_version unless the server was started with --weight-version: it names no weights
+UNVERSIONED = (None, "", "default")
+
+
 def weights_identity(args, engine) -> dict:
     """What identifies the target's weights in the journal's fingerprint: the model directory's fingerprint
-    (config + weight files' names, sizes, mtimes) where we have it, and what the servers report."""
-    ident = {"model_dir": target.fingerprint(args.model) if args.model else None}
+    (config + weight files' names, sizes, mtimes) where we have it, and what the servers report. Without
+    --model, the directory is the servers' own `model_path` when this machine sees it (a shared file system)."""
+    model_dir = args.model
+    served = getattr(engine, "served_model_path", None)
+    if not model_dir and args.backend != "hf" and served and Path(served).is_dir():
+        model_dir = served
+    ident = {"model_dir": target.fingerprint(model_dir) if model_dir else None}
     if args.backend != "hf":
         ident["servers"] = engine.identity  # model path @ weight_version
     return ident
+
+
+def unidentified_weights(args, engine, ident: dict) -> str | None:
+    """Why the weights behind the servers cannot be told apart from other weights under the same path (None
+    when they can): then a journal's answers may be another model's, and are not reused."""
+    if args.backend == "hf" or ident["model_dir"] is not None or engine.weight_version not in UNVERSIONED:
+        return None
+    return (f"the servers' weights cannot be identified: their model_path {engine.served_model_path!r} is not a "
+            f"directory on this machine and their weight_version is {engine.weight_version!r}, so another model "
+            "served under that path would look the same. Pass --model DIR (a copy of the served model, "
+            "fingerprinted here) or start SGLang with --weight-version V; or delete the journal to generate again")
 
 
 def shard_settings(args, engine, params: SamplingParams, policy: Policy) -> tuple[str, dict, dict]:
@@ -232,9 +252,12 @@ async def _reporter(jobs: list[ShardJob], progress: Progress, interval: float) -
 async def run_shards(jobs: list[ShardJob], engine, args, progress_interval: float) -> list[dict]:
     params, policy = request_settings(args)
     sampling_json, settings, meta = shard_settings(args, engine, params, policy)
+    unidentified = unidentified_weights(args, engine, settings["weights"])
     summaries: list[dict] = []
     for job in jobs:
-        await asyncio.to_thread(job.open, settings, args)
+        await asyncio.to_thread(job.open, settings, args, unidentified)
+    if unidentified:
+        LOG.warning("%s; a rerun will not resume from this run's journal", unidentified)
     queue: asyncio.Queue = asyncio.Queue()
     for job in jobs:
         if not job.todo:
