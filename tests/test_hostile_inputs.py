@@ -229,6 +229,17 @@ def test_extract_names_the_sample_with_a_token_outside_the_vocabulary(tiny_targe
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(f"{name}.dfhs")]  # no partial file
 
 
+def test_online_training_names_the_negative_token_id_not_the_largest():
+    import numpy as np
+
+    from dflash_pipeline.drafter.sources import check_token_range
+
+    with pytest.raises(PipelineError, match=r"sample 's9': token id -3 outside the target's embedding \(0\.\.99\)"):
+        check_token_range({"sample_id": "s9", "input_ids": np.array([5, -3, 42])}, 100)
+    with pytest.raises(PipelineError, match="token id 100 outside"):
+        check_token_range({"sample_id": "s9", "input_ids": np.array([5, 100, 42])}, 100)
+
+
 # ------------------------------------------------------------------------------ 11: a .dfhs replaced under its path
 def test_a_replaced_shard_is_read_again_not_served_from_the_cache(tmp_path):
     from dflash_pipeline.hidden_states.reader import HiddenStateShardReader

@@ -168,13 +168,13 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, 
 
 
 def disk_error(exc: OSError, args: argparse.Namespace) -> str:
-    """One line for an OSError of the file system: the file (or the stage's outputs), the cause, what is left."""
-    where = exc.filename or next((getattr(args, k) for k in ("out", "out_dir", "stats") if getattr(args, k, None)),
-                                 None)
-    where = " ".join(map(str, where)) if isinstance(where, list) else where
-    return (f"{args.stage}: {os.strerror(exc.errno)} ({errno.errorcode.get(exc.errno, exc.errno)}) writing "
-            f"{where or 'its outputs'}; no output was left half-written (temporary files are removed), "
-            "rerun once there is room or the directory is writable")
+    """One line for an OSError of the file system: the file (or the stage's outputs), the cause, what to do."""
+    out = next((getattr(args, k) for k in ("out", "out_dir", "stats") if getattr(args, k, None)), None)
+    out = " ".join(map(str, out)) if isinstance(out, list) else out
+    where = exc.filename or f"writing its outputs ({out or '?'})"
+    return (f"{args.stage}: {os.strerror(exc.errno)} ({errno.errorcode.get(exc.errno, exc.errno)}): {where}; "
+            "outputs get their final names only when complete, so nothing half-written counts as done: make "
+            "room or fix the permissions, then rerun")
 
 
 def build_parser(wanted: str | None, argv: list[str]) -> argparse.ArgumentParser:
