@@ -1,12 +1,70 @@
-"""Which target layers feed the drafter (DFlash `target_layer_ids`), shared by extraction and training.
+"""Which target layers feed the drafter (DFlash `target_layer_ids`) and what their features are, one
+definition shared by extraction, online training and evaluation.
 
-An id is a decoder-layer index of the target; its feature is that layer's *output*, which is
-`hidden_states[id + 1]` of a transformers forward with `output_hidden_states=True`.
+An id k is a decoder-layer index of the target; its feature is that decoder layer's *output* (the residual
+stream after layer k, before the final norm), captured by a forward hook on the layer: what SGLang and vLLM
+capture when they serve the drafter. For k < L-1 that is `hidden_states[k + 1]` of `output_hidden_states`,
+but not for k = L-1: transformers (4.x and 5.x) puts the final norm's output there.
 """
 
 from __future__ import annotations
 
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.target import text_config
+
+
+def find_decoder_layers(model):
+    """The target's decoder layer list (dense, MoE, hybrid GDN, or the language model of a VL wrapper)."""
+    import torch
+
+    n = text_config(model.config).num_hidden_layers
+    candidates = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.split(".")[-1] == "layers" and len(module) == n:
+            if any(part in name for part in ("visual", "vision", "audio", "mtp")):
+                continue
+            candidates.append((name.count("."), name, module))
+    if not candidates:
+        raise PipelineError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+    return sorted(candidates)[0][2]
+
+
+class LayerOutputs:
+    """Forward hooks on the decoder layers `layer_ids` of `model`; `features()` concatenates what they output
+    in the last forward ([B, S, n*H], id order). A context manager: the hooks go with it."""
+
+    def __init__(self, model, layer_ids):
+        layers = find_decoder_layers(model)
+        self.ids = validate_target_layer_ids(layer_ids, len(layers))
+        self._out: dict[int, object] = {}
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.ids]
+
+    def _hook(self, i):
+        def hook(module, args, output):
+            self._out[i] = output[0] if isinstance(output, (tuple, list)) else output
+
+        return hook
+
+    def features(self):
+        import torch
+
+        missing = [i for i in self.ids if i not in self._out]
+        if missing:
+            raise PipelineError(f"target layers {missing} produced no output in the forward pass")
+        out = torch.cat([self._out[i] for i in self.ids], dim=-1)
+        self._out.clear()
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -37,7 +95,7 @@ def validate_target_layer_ids(ids, num_target_layers: int) -> list[int]:
     if bad:
         raise PipelineError(
             f"target_layer_ids {ids}: {bad} out of range for a target with {num_target_layers} decoder layers "
-            f"(valid ids 0..{num_target_layers - 1}; id k means the output of layer k = hidden_states[k + 1])")
+            f"(valid ids 0..{num_target_layers - 1}; id k means the output of decoder layer k)")
     if sorted(set(ids)) != ids:
         raise PipelineError(f"target_layer_ids {ids} must be strictly increasing without repeats")
     return ids

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import torch
 
-
-def target_features(hidden_states, layer_ids) -> torch.Tensor:
-    """The drafter's context features: hidden states output by the target layers `layer_ids`, concatenated."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+from dflash_pipeline.target_layers import LayerOutputs
 
 
 class GreedyVerification:
@@ -110,33 +107,34 @@ def speculative_generate(target, drafter, head, prompt: list[int], max_new: int,
     from dflash_pipeline.drafter.model import ContextCache
 
     cfg = drafter.config
-    bs, ids = cfg.block_size, cfg.target_layer_ids
+    bs = cfg.block_size
     dtype = next(drafter.parameters()).dtype
-    out = target(input_ids=torch.tensor([prompt], device=device), use_cache=True, output_hidden_states=True)
-    past = out.past_key_values
-    feats = target_features(out.hidden_states, ids)
-    feat_pos = torch.arange(len(prompt), device=device)[None]
-    cache = ContextCache(len(drafter.layers))
-    generated = [rule.first_token(out.logits[0, -1])]
-    accepted: list[int] = []
-    while generated[-1] not in stop_ids and len(generated) < max_new:
-        start = len(prompt) + len(generated) - 1  # position of the anchor: the last token, not yet verified
-        block = torch.full((1, bs), cfg.mask_token_id, dtype=torch.long, device=device)
-        block[0, 0] = generated[-1]
-        hidden = drafter(head.embed(block).to(dtype), feats.to(dtype), feat_pos,
-                         torch.arange(start, start + bs, device=device)[None], cache=cache)
-        draft, q = rule.propose(head.lm_head(hidden[0, 1:].to(head.lm_head.weight.dtype)))
-        out = target(input_ids=torch.cat([block[0, :1], draft])[None], past_key_values=past, use_cache=True,
-                     output_hidden_states=True)
-        kept, nxt = rule.verify(draft, q, out.logits[0])
-        accepted.append(kept)
-        _crop(past, start + kept + 1)
-        feats = target_features(out.hidden_states, ids)[:, : kept + 1]
-        feat_pos = torch.arange(start, start + kept + 1, device=device)[None]
-        for tok in draft[:kept].tolist() + [nxt]:
-            generated.append(tok)
-            if tok in stop_ids or len(generated) >= max_new:
-                break
+    # the drafter's context: the outputs of the target's decoder layers (target_layers.py), from hooks
+    with LayerOutputs(target, cfg.target_layer_ids) as cap:
+        out = target(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+        past = out.past_key_values
+        feats = cap.features()
+        feat_pos = torch.arange(len(prompt), device=device)[None]
+        cache = ContextCache(len(drafter.layers))
+        generated = [rule.first_token(out.logits[0, -1])]
+        accepted: list[int] = []
+        while generated[-1] not in stop_ids and len(generated) < max_new:
+            start = len(prompt) + len(generated) - 1  # position of the anchor: the last token, not yet verified
+            block = torch.full((1, bs), cfg.mask_token_id, dtype=torch.long, device=device)
+            block[0, 0] = generated[-1]
+            hidden = drafter(head.embed(block).to(dtype), feats.to(dtype), feat_pos,
+                             torch.arange(start, start + bs, device=device)[None], cache=cache)
+            draft, q = rule.propose(head.lm_head(hidden[0, 1:].to(head.lm_head.weight.dtype)))
+            out = target(input_ids=torch.cat([block[0, :1], draft])[None], past_key_values=past, use_cache=True)
+            kept, nxt = rule.verify(draft, q, out.logits[0])
+            accepted.append(kept)
+            _crop(past, start + kept + 1)
+            feats = cap.features()[:, : kept + 1]
+            feat_pos = torch.arange(start, start + kept + 1, device=device)[None]
+            for tok in draft[:kept].tolist() + [nxt]:
+                generated.append(tok)
+                if tok in stop_ids or len(generated) >= max_new:
+                    break
     return generated, accepted
 
 

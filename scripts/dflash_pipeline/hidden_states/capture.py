@@ -4,34 +4,17 @@ right after the last wanted layer (no later layers, no final norm, no LM head)."
 from __future__ import annotations
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.target import text_config
-from dflash_pipeline.target_layers import validate_target_layer_ids
+from dflash_pipeline.target_layers import find_decoder_layers, validate_target_layer_ids
 
 
 class _StopForward(Exception):
     """Raised by the hook of the last wanted layer: nothing after it is needed."""
 
 
-def find_decoder_layers(model):
-    """The target's decoder layer list (dense, MoE, hybrid GDN, or the language model of a VL wrapper)."""
-    import torch
-
-    n = text_config(model.config).num_hidden_layers
-    candidates = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and name.split(".")[-1] == "layers" and len(module) == n:
-            if any(part in name for part in ("visual", "vision", "audio", "mtp")):
-                continue
-            candidates.append((name.count("."), name, module))
-    if not candidates:
-        raise PipelineError(f"cannot find the {n} decoder layers of {type(model).__name__}")
-    return sorted(candidates)[0][2]
-
-
 class LayerCapture:
     """Forward hooks on the wanted layers; `run(input_ids)` returns their outputs [B, S, n, H].
 
-    An id k captures the output of decoder layer k, i.e. `hidden_states[k + 1]` of output_hidden_states.
+    An id k captures the output of decoder layer k (target_layers.py: the one feature definition).
     """
 
     def __init__(self, model, layer_ids):
