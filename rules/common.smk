@@ -9,9 +9,13 @@ import sys
 from snakemake.resources import Resources
 from snakemake.utils import validate
 
+from dflash_pipeline import package_paths
 from dflash_pipeline.cluster.launch_torchrun import train_resources
 from dflash_pipeline.generation.sglang_flags import version as sglang_flags_version
 from dflash_pipeline.planning import preflight
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.target import is_gguf_path
+from dflash_pipeline.target_import.gguf import IMPORTED_FILES
 
 # a misspelled key is one line per mistake (Snakemake's own message prints the whole schema after it)
 _CONFIG_PROBLEMS = preflight.schema_errors(config, os.path.join(workflow.current_basedir, "schemas/config.schema.yaml"))
@@ -39,6 +43,10 @@ def _expand_inputs(patterns):
     """Config `inputs` (paths, globs, s3:// URIs) -> {source name: path}, names unique and stable."""
     paths = []
     for pattern in patterns:
+        try:
+            pattern = package_paths.resolve(pattern)  # pkg://PACKAGE/PATH: a file shipped in an installed package
+        except PipelineError as exc:
+            raise WorkflowError(f"config inputs: {exc}")
         if pattern.startswith("s3://") or not glob.has_magic(pattern):
             paths.append(pattern)
         else:
@@ -58,6 +66,21 @@ def _expand_inputs(patterns):
 
 
 RAW_INPUTS = _expand_inputs(config["inputs"])
+
+
+def _package_path(key, path):
+    try:
+        return package_paths.resolve(path)
+    except PipelineError as exc:
+        raise WorkflowError(f"config {key}: {exc}")
+
+
+# evaluation prompts (MT-Bench question.jsonl): evaluated beside the held-out split, and never trained on
+EVAL_PROMPTS = _package_path("evaluate.prompts_file", config.get("evaluate", {}).get("prompts_file") or "") or None
+EXCLUDE_PROMPTS = sorted(
+    {_package_path("ingest.exclude_prompts", p) for p in config["ingest"].get("exclude_prompts") or []}
+    | ({EVAL_PROMPTS} if EVAL_PROMPTS else set())
+)
 
 
 def raw_input(wildcards):
@@ -103,17 +126,31 @@ def demo_data_files():
     return [path for path in RAW_INPUTS.values() if is_demo_path(path, DEMO_DATA_DIR)]
 
 
+# The target: a transformers directory, or a GGUF file that rules/target.smk imports once into one (under the
+# results) for every stage to read. `pkg://PACKAGE/PATH` names a file inside an installed Python package.
+try:
+    TARGET_SOURCE = package_paths.resolve(config["target"]["model_path"], must_exist=False)
+except PipelineError as exc:
+    raise WorkflowError(f"config target.model_path: {exc}")
+TARGET_IS_GGUF = is_gguf_path(TARGET_SOURCE) and not DEMO_BUILDS_TARGET
+TARGET_IMPORT_DIR = os.path.join(R, "target")
+
+
 def target_model_files():
-    """Files that make the target model an input, so demo jobs wait for the rule that builds it (only the
-    demo's own target: a user's model directory is never a job's output)."""
-    return demo_target_files() if DEMO_BUILDS_TARGET else []
+    """Files that make the target model an input, so jobs wait for the rule that builds it: the demo's own
+    target (a user's model directory is never a job's output), or the import of a GGUF target."""
+    if DEMO_BUILDS_TARGET:
+        return demo_target_files()
+    if TARGET_IS_GGUF:
+        return [os.path.join(TARGET_IMPORT_DIR, f) for f in IMPORTED_FILES]
+    return []
 
 
 def target_model_dir(input_files):
     """The model directory as a job sees it (a storage-local copy when inputs come from S3)."""
-    if DEMO_BUILDS_TARGET:
+    if DEMO_BUILDS_TARGET or TARGET_IS_GGUF:
         return os.path.dirname(str(input_files[0]))
-    return config["target"]["model_path"]
+    return TARGET_SOURCE
 
 
 _MANIFEST_CACHE = {}
@@ -421,7 +458,7 @@ def run_preflight():
     storage_provider = workflow.storage_settings.default_storage_provider
     problems = []
     if not DEMO_BUILDS_TARGET and executor != "kubernetes":  # a pod's model lives in its image
-        problems += preflight.target_problems(config["target"]["model_path"])
+        problems += preflight.target_problems(TARGET_SOURCE)  # pkg:// resolved
     remote = (
         f"{storage_provider} {workflow.storage_settings.default_storage_prefix or ''}" if storage_provider else None
     )

@@ -8,6 +8,7 @@ rule evaluate:
         drafter=os.path.join(R, "drafter"),
         tokens=lambda wc: expand(os.path.join(R, "tokens", training_dataset(), "{shard}.parquet"), shard=shard_ids()),
         model=target_model_files(),
+        prompts=[EVAL_PROMPTS] if EVAL_PROMPTS else [],
     output:
         report=os.path.join(R, "evaluate/report.json"),
         plot=report(os.path.join(R, "evaluate/acceptance.png"), category="Evaluation"),
@@ -23,11 +24,12 @@ rule evaluate:
         mem_mb=EVAL["mem_mb"],
     params:
         model=lambda wc, input: target_model_dir(input.model),
-        settings=stage_settings("evaluate", **TRUST),
+        settings=stage_settings("evaluate", drop=("prompts_file",), **TRUST),
+        prompts=lambda wc, input: f"--prompts-file {shlex.quote(input.prompts[0])}" if input.prompts else "",
     shell:
         "dflash-pipeline with-gpus --n {resources.gpu} -- "
         "dflash-pipeline evaluate --drafter {input.drafter:q} --model {params.model:q} --tokens {input.tokens:q} "
-        "--settings {params.settings:q} --out {output.report:q} --plot {output.plot:q} "
+        "--settings {params.settings:q} {params.prompts} --out {output.report:q} --plot {output.plot:q} "
         "> {log:q} 2>&1"
 
 

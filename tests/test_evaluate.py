@@ -103,11 +103,30 @@ def test_untrained_drafter_is_lossless_and_fails_the_gate(tiny_target, setup, tm
     assert cli_main(["export", "--drafter", str(train_dir), "--model", str(tiny_target), "--out", str(export),
                      "--dtype", "float32"]) == 0
     report, plot = tmp_path / "report.json", tmp_path / "acc.png"
+    questions = tmp_path / "question.jsonl"  # MT-Bench's format: the first turn is asked
+    questions.write_text("".join(json.dumps({"question_id": 81 + i, "category": cat, "turns": [q, "And then?"]}) + "\n"
+                                 for i, (cat, q) in enumerate([("writing", "Write a line about rain."),
+                                                               ("math", "What is 3 plus 4?"),
+                                                               ("math", "Double 21.")])))
     assert cli_main(["evaluate", "--drafter", str(export), "--model", str(tiny_target), "--tokens", str(tokens),
                      "--holdout-fraction", "0.2", "--num-prompts", "3", "--max-new-tokens", "12", "--temperatures",
-                     "0", "0.7",
+                     "0", "0.7", "--prompts-file", str(questions),
                      "--device", "cpu", "--out", str(report), "--plot", str(plot)]) == 0
     r = json.loads(report.read_text())
+    f = r["prompts_file"]  # tau per category and pooled, greedy and sampled, beside the held-out split
+    assert f["count"] == 3 and f["categories"] == {"writing": 1, "math": 2} and set(f["tau"]) == {"0", "0.7"}
+    for t, by in f["tau"].items():
+        for name in ("trained", "untrained"):
+            run = f["greedy"][name] if t == "0" else f["sampled"][t][name]
+            cats = run["by_category"]
+            assert set(cats) == {"writing", "math"} and by[name]["pooled"] == run["tau"]
+            # pooled tau is the forward-weighted mean of the categories' (every forward belongs to one category)
+            forwards = sum(c["target_forwards"] for c in cats.values())
+            assert forwards == run["target_forwards"]
+            assert abs(sum(c["tau"] * c["target_forwards"] for c in cats.values()) / forwards - run["tau"]) < 1e-9
+            assert len(run["acceptance_per_position"]) == 8
+    for name in ("trained", "untrained"):  # the file's greedy outputs are checked lossless too
+        assert f["greedy"][name]["identical_outputs"] + f["greedy"][name]["numerical_ties"] == 3
     assert r["prompts"]["count"] == 3
     for name in ("trained", "untrained"):
         assert r[name]["identical_outputs"] + r[name]["numerical_ties"] == 3 and not r[name]["lossless_failures"]

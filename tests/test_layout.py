@@ -10,8 +10,9 @@ import importlib
 from conftest import REPO
 
 PKG = REPO / "scripts" / "dflash_pipeline"
-STAGE_PACKAGES = {"data", "generation", "hidden_states", "planning", "drafter", "cluster", "demo", "report"}
-SHARED_MODULES = {"cli", "errors", "storage", "target", "target_layers"}
+STAGE_PACKAGES = {"data", "generation", "hidden_states", "planning", "drafter", "cluster", "demo", "report",
+                  "target_import"}
+SHARED_MODULES = {"cli", "errors", "storage", "target", "target_layers", "package_paths"}
 MAX_FUNCTION_LINES = 80
 
 
@@ -73,7 +74,7 @@ def test_rule_files_match_stage_packages():
     # each rule file's stage lives in one subpackage (evaluate/train/export are the drafter's rules)
     home = {"demo": "demo", "ingest": "data", "tokenize": "data", "audit": "data", "generate": "generation",
             "calibrate": "generation", "extract": "hidden_states", "train": "drafter", "evaluate": "drafter",
-            "report": "report"}
+            "report": "report", "target": "target_import"}
     assert rules <= set(home), rules - set(home)
     assert {home[r] for r in rules} <= STAGE_PACKAGES
 

@@ -41,6 +41,8 @@ STAGES = {
     "demo-data": Stage("dflash_pipeline.demo.data", "add_arguments", "run", "write the bundled demo conversations"),
     "tiny-model": Stage("dflash_pipeline.demo.tiny_model", "add_arguments", "run",
                         "build a tiny random Qwen3 target with a real tokenizer"),
+    "target-import": Stage("dflash_pipeline.target_import.gguf", "add_arguments", "run",
+                           "convert a GGUF target once into a transformers directory every stage reads"),
     "ingest": Stage("dflash_pipeline.data.ingest", "add_arguments", "run",
                     "normalize one raw ShareGPT file into per-file records + quarantine", "ingest"),
     "manifest": Stage("dflash_pipeline.data.manifest", "add_manifest_arguments", "run_manifest",

@@ -16,6 +16,11 @@ from dflash_pipeline.errors import PipelineError
 COMPUTE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
+def is_gguf_path(path: str | Path) -> bool:
+    """A target given as a GGUF file (imported into a transformers directory before any stage reads it)."""
+    return str(path).lower().endswith(".gguf")
+
+
 def text_config(config):
     """The language model's config: `text_config` of a multimodal config (dict or transformers config)."""
     if isinstance(config, dict):

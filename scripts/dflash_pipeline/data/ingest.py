@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.data.conversations import SAMPLE_SCHEMA, RecordRejected, normalize_record, sample_id
+from dflash_pipeline.data.eval_prompts import excluded_prompts, first_user_turn, normalise
 from dflash_pipeline.data.raw_records import RawRecord, ReadResult, iter_raw_records, safe_text
 from dflash_pipeline.errors import CorruptInputError, PipelineError
 from dflash_pipeline.storage import atomic_open, atomic_path, write_json
@@ -28,6 +29,7 @@ from dflash_pipeline.storage import atomic_open, atomic_path, write_json
 log = logging.getLogger(__name__)
 
 RECORDS_SCHEMA = SAMPLE_SCHEMA.append(pa.field("record_index", pa.int64()))
+DECONTAMINATED_EXAMPLES = 50
 ROW_GROUP = 2048  # records per Parquet row group: the shard stage reads only the groups it needs
 
 
@@ -99,9 +101,13 @@ def _quarantine_entry(name: str, rec: RawRecord, reason: str) -> str:
                        "record": raw})
 
 
-def _read_file(path, name, max_record_bytes, writer, qfh, result) -> Counter:
+def _read_file(path, name, max_record_bytes, writer, qfh, result, max_records: int = 0,
+               excluded: dict | None = None, dropped: list | None = None) -> Counter:
     counts: Counter[str] = Counter()
     for rec in iter_raw_records(path, result, max_record_bytes):
+        if max_records and counts["read"] >= max_records:
+            counts["not_read"] = 1  # the rest of the file is not read (a sized run): said in the stats
+            break
         counts["read"] += 1
         try:
             source_id, messages, sid = _accept(rec)
@@ -110,6 +116,13 @@ def _read_file(path, name, max_record_bytes, writer, qfh, result) -> Counter:
             counts["reason:" + _reason_kind(str(exc))] += 1
             qfh.write(_quarantine_entry(name, rec, str(exc)))
             continue
+        if excluded:
+            hit = excluded.get(normalise(first_user_turn(messages) or ""))
+            if hit is not None:  # an evaluation prompt: never trains (counted, and listed in the stats)
+                counts["decontaminated"] += 1
+                if len(dropped) < DECONTAMINATED_EXAMPLES:
+                    dropped.append({"record_index": rec.index, "sample_id": sid, "evaluation_prompt": hit})
+                continue
         counts["kept"] += 1
         writer.add(name, rec, source_id, messages, sid)
     return counts
@@ -123,15 +136,18 @@ def ingest_file(
     name: str | None = None,
     on_corrupt: str = "error",
     max_record_bytes: int = 64 << 20,
+    max_records: int = 0,
+    exclude_prompts: list[str] | None = None,
 ) -> dict:
     name = name or path
     if max_record_bytes < 1:
         raise PipelineError(f"{name}: max_record_bytes {max_record_bytes} must be at least 1")
     result = ReadResult()
+    excluded, dropped = excluded_prompts(exclude_prompts or []), []
     with atomic_open(out_quarantine, "w", encoding="utf-8") as qfh, atomic_path(out_records) as tmp:
         writer = _RecordsWriter(tmp)
         try:
-            counts = _read_file(path, name, max_record_bytes, writer, qfh, result)
+            counts = _read_file(path, name, max_record_bytes, writer, qfh, result, max_records, excluded, dropped)
         except BaseException:
             writer.abort()
             raise
@@ -142,15 +158,21 @@ def ingest_file(
             log.warning("%s: damaged at byte %d (%s); salvaged %d complete records before it",
                         name, result.damage.offset, result.damage.reason, counts["read"])
     stats = _stats(name, result, counts)
+    if exclude_prompts:
+        stats["decontamination"] = {"prompt_files": list(exclude_prompts), "prompts": len(excluded),
+                                    "dropped": counts["decontaminated"], "examples": dropped}
+    if max_records:
+        stats["max_records"] = {"limit": max_records, "rest_of_file_not_read": bool(counts["not_read"])}
     write_json(out_stats, stats)
     return stats
 
 
 def _stats(name: str, result: ReadResult, counts: Counter) -> dict:
     reasons = Counter({k.removeprefix("reason:"): v for k, v in counts.items() if k.startswith("reason:")})
-    read, kept, quarantined = counts["read"], counts["kept"], counts["quarantined"]
-    if read != kept + quarantined:
-        raise RuntimeError(f"{name}: accounting broken: read {read} != kept {kept} + quarantined {quarantined}")
+    read, kept, quarantined, decontaminated = counts["read"], counts["kept"], counts["quarantined"], counts["decontaminated"]
+    if read != kept + quarantined + decontaminated:
+        raise RuntimeError(f"{name}: accounting broken: read {read} != kept {kept} + quarantined {quarantined} "
+                           f"+ decontaminated {decontaminated}")
     damage = result.damage
     return {
         "file": name,
@@ -159,6 +181,7 @@ def _stats(name: str, result: ReadResult, counts: Counter) -> dict:
         "records_read": read,
         "kept": kept,
         "quarantined": quarantined,
+        "decontaminated": decontaminated,
         "quarantine_reasons": dict(reasons.most_common()),
         "damage": None if damage is None else {
             "byte_offset": damage.offset,
@@ -186,12 +209,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quarantine", required=True, help="rejected records with reasons (JSONL)")
     p.add_argument("--on-corrupt", choices=["error", "salvage"], default="error")
     p.add_argument("--max-record-bytes", type=int, default=64 << 20)
+    p.add_argument("--exclude-prompts", nargs="*", default=[],
+                   help="evaluation prompt files (MT-Bench question.jsonl): samples whose first user turn is one of "
+                        "their prompts are dropped and counted (decontamination)")
+    p.add_argument("--max-records", type=int, default=0,
+                   help="read at most this many records of the file (0: all); sizes a run on a large corpus")
 
 
 def run(args) -> int:
     try:
         stats = ingest_file(args.input, args.out, args.stats, args.quarantine, args.name, args.on_corrupt,
-                            args.max_record_bytes)
+                            args.max_record_bytes, args.max_records, args.exclude_prompts)
     except FileNotFoundError as exc:
         raise PipelineError(f"{args.input}: input file not found ({exc})") from exc
     print(json.dumps(stats, indent=2))

