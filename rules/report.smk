@@ -26,10 +26,14 @@ rule run_report:
         calibration=lambda wc, input: input.get("calibration", ""),
         benchmarks=os.path.join(R, "benchmarks"),
         out_dir=lambda wc, output: os.path.dirname(output.summary),
+        # GPUs per job, so that the summary compares GPU-hours with the plan's GPU-hours
+        extract_gpus=config["extract"]["gpus"],
+        train_gpus=config["train"]["gpus"] * config["train"]["nodes"],
     shell:
         "dflash-pipeline report-figures --generation {params.generation:q} --extraction {params.extraction:q} "
         "--train {params.train:q} --evaluate {params.evaluate:q} --benchmarks {params.benchmarks:q} "
-        "--plan {params.plan:q} --calibration {params.calibration:q} --out-dir {params.out_dir:q} > {log:q} 2>&1"
+        "--plan {params.plan:q} --calibration {params.calibration:q} --extract-gpus {params.extract_gpus} "
+        "--train-gpus {params.train_gpus} --out-dir {params.out_dir:q} > {log:q} 2>&1"
 
 
 # Jobs too small to be worth a cluster slot (seconds of work, no GPU): on SLURM or Kubernetes they run in

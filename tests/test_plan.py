@@ -142,7 +142,7 @@ def test_report_compares_calibration_and_plan_with_the_run(tmp_path):
         (tmp_path / name).write_text(json.dumps(obj))
     rows = plan_vs_actual(str(tmp_path / "plan.json"), str(tmp_path / "cal.json"), [str(tmp_path / "a.summary.json")],
                           [str(tmp_path / "a.stats.json")], None)
-    by = {(r[0], r[1]): r[2:] for r in rows}
+    by = {(r[0], r[1]): r[2:5] for r in rows}  # planned, actual, ratio (then a note)
     assert by[("generation", "output tok/s per job (start-up excluded)")] == [1000.0, 900.0, 0.9]
     assert by[("generation", "output tokens (whole corpus)")] == [1000, 1100, 1.1]
     assert by[("generation", "finish_reason=length rate")] == [0.2, 0.5, 2.5]

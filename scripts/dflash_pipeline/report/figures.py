@@ -2,7 +2,8 @@
 
 Reads what the stages already wrote (generation summaries, extraction stats, the training metrics log, the
 evaluation report, Snakemake's per-job benchmark files) and writes, into `--out-dir`:
-`generation.png`, `extraction.png`, `training.png`, `tau.png` and `summary.html` (the numbers behind them).
+`generation.png`, `extraction.png`, `training.png`, `tau.png` and `summary.html` (the numbers behind them, with
+units, and the figures embedded: the page stands alone).
 The rules mark these with `report()`, so `snakemake --report report.html` collects them beside the audit
 reports and the evaluation plot. A stage that did not run in this configuration gets a figure saying so.
 """
@@ -12,13 +13,13 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
-import html
 import json
 import os
 from collections import defaultdict
 from pathlib import Path
 
-from dflash_pipeline.storage import atomic_open, atomic_path
+from dflash_pipeline.report import summary_page as page
+from dflash_pipeline.storage import atomic_path
 
 FIGURES = ("generation.png", "extraction.png", "training.png", "tau.png")
 
@@ -127,6 +128,7 @@ def extraction_figure(stats: list[str], out: Path) -> dict:
         "file_bytes": sum(s.get("file_bytes", 0) for _, s in rows),
         "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
         "codec": sorted({str(s.get("codec")) for _, s in rows}),
+        "device": sorted({str(s.get("device")) for _, s in rows if s.get("device")}),
     }
 
 
@@ -196,7 +198,8 @@ def stage_times(bench_dir: str | None) -> dict:
 
 
 def _ratio(actual, planned):
-    return round(actual / planned, 3) if actual is not None and planned else None
+    """actual / planned to 4 significant digits (rounding to decimals turned 0.00016 into 0)."""
+    return float(f"{actual / planned:.4g}") if actual is not None and planned else None
 
 
 def _job_hours(bench_dir: str | None, stage: str) -> float | None:
@@ -204,8 +207,14 @@ def _job_hours(bench_dir: str | None, stage: str) -> float | None:
     return round(seconds / 3600, 4) if seconds is not None else None
 
 
+def _gpu_hours(bench_dir: str | None, stage: str, gpus: float) -> float | None:
+    hours = _job_hours(bench_dir, stage)
+    return round(hours * gpus, 4) if hours is not None else None
+
+
 def generation_vs_calibration(plan: dict, cal: dict, summaries: list[str], bench_dir: str | None) -> list[list]:
-    """[stage, measure, calibrated/planned, actual, actual/planned] rows for generation."""
+    """[stage, measure, calibrated/planned, actual, actual/planned, note] rows for generation: the calibration
+    ran on this run's own backend and hardware, so every ratio compares like with like."""
     proj = plan.get("generation") or {}
     rows = [_read_json(p) for p in summaries]
     samples = sum(s.get("samples", 0) for s in rows)
@@ -229,36 +238,50 @@ def generation_vs_calibration(plan: dict, cal: dict, summaries: list[str], bench
         "failure rate": cal.get("failure_rate"),
         "job-hours (Snakemake benchmarks)": round(proj["job_hours"], 4) if "job_hours" in proj else None,
     }
-    return [["generation", k, planned[k], actual[k], _ratio(actual[k], planned[k])] for k in planned]
+    return [["generation", k, planned[k], actual[k], _ratio(actual[k], planned[k]), None] for k in planned]
 
 
-def extraction_vs_plan(plan: dict, stats: list[str], bench_dir: str | None) -> list[list]:
+def _not_comparable(plan: dict, devices: list[str]) -> str | None:
+    """Why the plan's GPU rates say nothing about this run, or None: the plan prices extraction and training
+    from a reference GPU's measured rate (scaled to the target), unless it measured this run's own shards;
+    a run on CPU (the demo) is then thousands of times slower, and the ratio only says so."""
+    if str(plan.get("extract_tok_s_source", "")).startswith("measured on") or devices != ["cpu"]:
+        return None
+    return "not comparable: the plan's rate is a GPU's (scaled from one H200); this run ran on CPU"
+
+
+def extraction_vs_plan(plan: dict, stats: list[str], bench_dir: str | None, gpus: float = 1) -> list[list]:
     rows = [_read_json(p) for p in stats]
     if not rows:
         return []
     tokens = sum(s.get("tokens", 0) for s in rows)
     seconds = sum(s.get("seconds", 0) for s in rows)
+    hardware = _not_comparable(plan, sorted({str(s.get("device")) for s in rows if s.get("device")}))
     pairs = {
-        "tokens": (plan.get("extract_tokens"), tokens),
-        "stored bytes": (plan.get("hidden_bytes"), sum(s.get("stored_bytes", 0) for s in rows)),
-        "tok/s": (plan.get("extract_tok_s"), round(tokens / seconds, 1) if seconds else None),
-        "job-hours (Snakemake benchmarks)": (plan.get("extract_gpu_hours"), _job_hours(bench_dir, "extract")),
+        "tokens": (plan.get("extract_tokens"), tokens, None),
+        "stored bytes": (plan.get("hidden_bytes"), sum(s.get("stored_bytes", 0) for s in rows), None),
+        "tok/s": (plan.get("extract_tok_s"), round(tokens / seconds, 1) if seconds else None, hardware),
+        "GPU-hours (job-hours x GPUs per job)": (plan.get("extract_gpu_hours"),
+                                                _gpu_hours(bench_dir, "extract", gpus), hardware),
     }
-    return [["extraction", k, p, a, _ratio(a, p)] for k, (p, a) in pairs.items()]
+    return [["extraction", k, p, a, None if note else _ratio(a, p), note] for k, (p, a, note) in pairs.items()]
 
 
 def plan_vs_actual(plan_path: str | None, cal_path: str | None, summaries: list[str], stats: list[str],
-                   bench_dir: str | None) -> list[list]:
-    """The calibration and the plan against what the run measured, per stage."""
+                   bench_dir: str | None, extract_gpus: float = 1, train_gpus: float = 1) -> list[list]:
+    """The calibration and the plan against what the run measured, per stage: [stage, measure, planned,
+    actual, actual/planned, note], the ratio None where the note says why it would mean nothing."""
     plan = _read_json(plan_path) if plan_path and os.path.exists(plan_path) else {}
     cal = _read_json(cal_path) if cal_path and os.path.exists(cal_path) else {}
     rows = generation_vs_calibration(plan, cal, summaries, bench_dir) if cal else []
     if plan:
-        rows += extraction_vs_plan(plan, stats, bench_dir)
-        actual = _job_hours(bench_dir, "train")
+        rows += extraction_vs_plan(plan, stats, bench_dir, extract_gpus)
+        actual = _gpu_hours(bench_dir, "train", train_gpus)
         if plan.get("train_gpu_hours") is not None and actual is not None:
-            rows.append(["training", "job-hours (Snakemake benchmarks)", plan["train_gpu_hours"], actual,
-                         _ratio(actual, plan["train_gpu_hours"])])
+            devices = sorted({str(_read_json(p).get("device")) for p in stats})
+            note = _not_comparable(plan, devices)
+            rows.append(["training", "GPU-hours (job-hours x GPUs per job)", plan["train_gpu_hours"], actual,
+                         None if note else _ratio(actual, plan["train_gpu_hours"]), note])
     return rows
 
 
@@ -274,35 +297,25 @@ def calibration_summary(path: str | None) -> dict:
             "failure_rate": cal.get("failure_rate"), "thinking": cal.get("thinking"), "requests": cal.get("requests")}
 
 
-def _grid(title: str, header: list[str], rows: list[list]) -> str:
-    if not rows:
-        return f"<h2>{html.escape(title)}</h2><p>not run in this configuration</p>"
-    cell = lambda v: "" if v is None else (f"{v:,.4g}" if isinstance(v, float) else str(v))  # noqa: E731
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell(v))}</td>" for v in r) + "</tr>" for r in rows)
-    return f"<h2>{html.escape(title)}</h2><table><tr>{head}</tr>{body}</table>"
-
-
-def _table(title: str, data: dict) -> str:
-    if not data:
-        return f"<h2>{html.escape(title)}</h2><p>not run in this configuration</p>"
-    rows = "".join(
-        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(json.dumps(v) if isinstance(v, (dict, list)) else str(v))}</td></tr>"
-        for k, v in data.items()
-    )
-    return f"<h2>{html.escape(title)}</h2><table>{rows}</table>"
-
-
-def write_summary(out: Path, sections: dict[str, dict], versus: list[list] | None = None) -> None:
-    body = "".join(_table(title, data) for title, data in sections.items())
-    body += _grid("Calibration and plan vs actual", ["stage", "measure", "calibrated / planned", "actual",
-                                                     "actual / planned"], versus or [])
-    page = ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>DFlash pipeline run</title><style>"
-            "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin-bottom:1em}"
-            "th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}th{background:#f4f4f4}"
-            f"</style></head><body><h1>DFlash pipeline run</h1>{body}</body></html>\n")
-    with atomic_open(out, "w", encoding="utf-8") as fh:
-        fh.write(page)
+def write_summary(out_dir: Path, sections: dict[str, dict], versus: list[list]) -> None:
+    """summary.html: one self-contained page, figures embedded, every number with its unit."""
+    figure = {"Generation": "generation.png", "Extraction": "extraction.png", "Training": "training.png",
+              "Acceptance length (tau)": "tau.png"}
+    rows = {"Generation": page.generation_rows, "Extraction": page.extraction_rows, "Training": page.training_rows,
+            "Acceptance length (tau)": page.tau_rows, "Generation calibration": page.calibration_rows}
+    parts = []
+    for title, make_rows in rows.items():
+        data = sections.get(title) or {}
+        img = page.embedded_png(out_dir / figure[title], title) if title in figure else None
+        parts.append(page.section(title, make_rows(data) if data else [], img))
+    times = sections.get("Stage wall time (Snakemake benchmarks)") or {}
+    parts.append("<h2>Stage wall time (Snakemake benchmarks)</h2>" + (
+        page.grid(["stage", "jobs", "wall time, all jobs", "longest job"], page.stage_time_rows(times))
+        if times else "<p class='note'>no benchmark files</p>"))
+    parts.append("<h2>Calibration and plan vs actual</h2>" + (
+        page.grid(["stage", "measure", "calibrated / planned", "actual", "actual / planned"],
+                  page.versus_rows(versus)) if versus else "<p class='note'>no plan in this run</p>"))
+    page.write_summary_page(out_dir / "summary.html", parts)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -313,6 +326,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--benchmarks", default=None, help="the run's benchmarks directory")
     p.add_argument("--plan", default=None, help="plan.json (projections to compare with the actual run)")
     p.add_argument("--calibration", default=None, help="the generation calibration (calibration/generation.json)")
+    p.add_argument("--extract-gpus", type=float, default=1, help="GPUs per extraction job (for GPU-hours)")
+    p.add_argument("--train-gpus", type=float, default=1, help="GPUs per training job, all nodes (for GPU-hours)")
     p.add_argument("--out-dir", required=True)
 
 
@@ -328,7 +343,8 @@ def run(args) -> int:
         "Stage wall time (Snakemake benchmarks)": stage_times(args.benchmarks),
         "Generation calibration": calibration_summary(args.calibration),
     }
-    versus = plan_vs_actual(args.plan, args.calibration, args.generation, args.extraction, args.benchmarks)
-    write_summary(out / "summary.html", sections, versus)
+    versus = plan_vs_actual(args.plan, args.calibration, args.generation, args.extraction, args.benchmarks,
+                            args.extract_gpus, args.train_gpus)
+    write_summary(out, sections, versus)
     print(json.dumps({k: v for k, v in sections.items()}, default=str)[:2000])
     return 0
