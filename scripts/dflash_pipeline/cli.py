@@ -179,12 +179,34 @@ def disk_error(exc: OSError, args: argparse.Namespace) -> str:
             "room or fix the permissions, then rerun")
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`STAGE --help` shows each option's default: the schema's for a stage that takes a config section (they
+    are the parser's defaults by then), else the option's own; options without a default (None, off) say nothing."""
+
+    def _get_help_string(self, action):
+        if not has_default(action):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def has_default(action: argparse.Action) -> bool:
+    return not (action.default is None or action.default is False or action.default == ""
+                or action.default is argparse.SUPPRESS)
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Options added without a help text still show their default in --help (argparse skips help-less ones)."""
+    for action in parser._actions:
+        if action.help is None and action.option_strings and has_default(action):
+            action.help = "(default: %(default)s)"
+
+
 def build_parser(wanted: str | None, argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for name, stage in STAGES.items():
-        p = sub.add_parser(name, help=stage.help)
+        p = sub.add_parser(name, help=stage.help, description=stage.help, formatter_class=DefaultsHelpFormatter)
         if name != wanted:
             continue
         module = importlib.import_module(stage.module)  # only the module that will run
@@ -196,6 +218,7 @@ def build_parser(wanted: str | None, argv: list[str]) -> argparse.ArgumentParser
         pre.add_argument("--settings", default=None)
         known, _ = pre.parse_known_args(argv[argv.index(name) + 1:])
         apply_settings(p, known.settings, stage.section, name)
+        show_defaults(p)
     return parser
 
 
