@@ -125,7 +125,7 @@ def test_extract_default_layers_from_drafter_config(tiny_target, tmp_path):
                       ExtractSettings(drafter_config={"target_layer_ids": [1, 9]}, device="cpu"))
 
 
-def test_resume_after_kill(tiny_target, tmp_path, caplog):
+def test_resume_after_kill(tiny_target, tmp_path, caplog, monkeypatch):
     _token_shard(tmp_path / "t.parquet", n=16)
     out = tmp_path / "h.dfhs"
     args = ["extract", "--tokens", str(tmp_path / "t.parquet"), "--model", str(tiny_target), "--out", str(out),
@@ -139,9 +139,13 @@ def test_resume_after_kill(tiny_target, tmp_path, caplog):
     assert not out.exists() and (tmp_path / "h.dfhs.partial").exists()
     from dflash_pipeline.cli import main
 
+    monkeypatch.setenv("DFLASH_PROGRESS_INTERVAL_S", "0")  # a progress line after every batch
     with caplog.at_level("INFO", logger="dflash_pipeline.hidden_states.extract"):
         assert main(args) == 0  # the rerun, in process (one CLI start less)
     assert "resuming" in caplog.text
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("extract h.dfhs: ")]
+    assert len(progress) >= 2 and all("elapsed" in p and "tokens/s, ETA" in p for p in progress)
+    assert progress[-1].split(" tokens")[0].split(": ")[1].split("/")[0] == progress[-1].split("/")[1].split(" ")[0]
     r = HiddenStateShardReader(out)
     assert len(r) == 15 and len(set(r.sample_ids)) == 15
     import json  # the stats count the whole shard, the samples written before the kill included

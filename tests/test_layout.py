@@ -12,7 +12,7 @@ from conftest import REPO
 PKG = REPO / "scripts" / "dflash_pipeline"
 STAGE_PACKAGES = {"data", "generation", "hidden_states", "planning", "drafter", "cluster", "demo", "report",
                   "target_import"}
-SHARED_MODULES = {"cli", "errors", "storage", "target", "target_layers", "package_paths"}
+SHARED_MODULES = {"cli", "errors", "progress", "storage", "target", "target_layers", "package_paths"}
 MAX_FUNCTION_LINES = 80
 
 

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from dflash_pipeline.data.audit_stats import AUDIT_FORMAT, Histogram, answer_hash, answer_key
 from dflash_pipeline.data.generated_tokens import encode_conversations, token_id_columns
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.progress import Progress
 from dflash_pipeline.storage import atomic_path, write_json
 from dflash_pipeline.target import load_tokenizer
 
@@ -261,7 +262,7 @@ class ShardTokenizer:
                          "model": model_dir, "closing": self.masker.closing}
         self.load_seconds = time.perf_counter() - t0
 
-    def shard(self, input_path: str, out_tokens: str, out_audit: str) -> dict:
+    def shard(self, input_path: str, out_tokens: str, out_audit: str, progress: Progress | None = None) -> dict:
         t0 = time.perf_counter()
         raw = read_conversations(input_path)
         # completions: the assistant turns were written by the target itself, not by a user who could forge turns
@@ -278,6 +279,10 @@ class ShardTokenizer:
                                  trusted, token_ids[lo:lo + self.batch_size])
             if part is not None:
                 parts.append(part)
+            if progress:
+                progress.update(len(conversations))
+        if progress and raw.num_rows > table.num_rows:
+            progress.update(raw.num_rows - table.num_rows)  # failed generations: read, not tokenized
         tokens = pa.concat_tables(parts) if parts else TOKENS_SCHEMA.empty_table()
         with atomic_path(out_tokens) as tmp:
             pq.write_table(tokens, tmp, compression="zstd")
@@ -330,8 +335,11 @@ def run(args) -> int:
         os.makedirs(args.out_dir, exist_ok=True)
     tok = ShardTokenizer(args.model, args.max_length, args.enable_thinking, args.batch_size, args.trivial_tokens,
                          args.trust_remote_code)
+    total = sum(pq.ParquetFile(input_path).metadata.num_rows for input_path, _, _ in jobs)
+    progress = Progress(f"tokenize ({len(jobs)} shard{'s' if len(jobs) > 1 else ''})", total, "samples", log)
     for input_path, out, audit_path in jobs:
-        audit = tok.shard(input_path, out, audit_path)
+        audit = tok.shard(input_path, out, audit_path, progress)
         print(json.dumps({"input": input_path, **{k: audit[k] for k in ("samples", "tokens", "loss_tokens", "seconds")}}))
+    progress.finish()
     return 0
 

@@ -42,6 +42,7 @@ from dflash_pipeline.drafter.sources import HiddenSource, TokenSource
 from dflash_pipeline.drafter.steps import Prefetcher, StepData
 from dflash_pipeline.drafter.target_head import load_target_head, resolve_mask_token_id
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.progress import Progress
 from dflash_pipeline.target import read_config, text_config
 from dflash_pipeline.target_layers import default_target_layer_ids, validate_target_layer_ids
 
@@ -332,6 +333,7 @@ def _run(args) -> int:
     metrics = StepMetrics(run.dcfg.block_size, run.device)
     t_start = time.perf_counter()
     prefetch = Prefetcher(run.steps)
+    progress = Progress("train", run.total_steps, "steps", log, start=start_step)  # elapsed and ETA
     if start_step < run.total_steps:
         prefetch.start(start_step)
     for step in range(start_step, run.total_steps):
@@ -343,6 +345,8 @@ def _run(args) -> int:
         # forward/backward over the micro-batches, optimizer step
         grad_norm = train_step(run, micro, metrics)
         done = step + 1
+        if run.dist.main:
+            progress.update()
         # log: statistics summed over ranks since the last logged step
         if done % args.log_every == 0 or done == run.total_steps:
             rec = metrics.record(run.dist, done, done / run.steps.steps_per_epoch, run.sched.get_last_lr()[0],

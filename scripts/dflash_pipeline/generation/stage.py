@@ -27,6 +27,7 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.generation.client import Counters, FatalError, Policy, SamplingParams, generate_sample
 from dflash_pipeline.generation.journal import RECORD_FORMAT
 from dflash_pipeline.generation.shards import ShardJob
+from dflash_pipeline.progress import duration
 
 LOG = logging.getLogger("dflash_pipeline.generation.stage")
 # the servers' API key (SGLang --api-key) comes from the environment, never from a command line or config file
@@ -105,15 +106,6 @@ def _add_sampling_arguments(sp) -> None:
 # --------------------------------------------------------------------------------------------------------
 # progress
 # --------------------------------------------------------------------------------------------------------
-def _fmt_eta(seconds: float) -> str:
-    if seconds != seconds or seconds == float("inf"):
-        return "?"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
 class Progress:
     def __init__(self, jobs: list[ShardJob], engine, calibration_tok_s: float | None = None):
         self.jobs = jobs
@@ -140,11 +132,12 @@ class Progress:
                 setattr(c, k, getattr(c, k) + getattr(j.counters, k))
         wall = max(time.monotonic() - self.t0, 1e-9)
         rate = done_now / wall
-        eta = (self.todo - done_now) / rate if rate > 0 else float("inf")
+        eta = (self.todo - done_now) / rate if rate > 0 else None
         return (f"generate: {done}/{self.total} samples ({100 * done / max(self.total, 1):.1f}%) | "
+                f"elapsed {duration(wall)} | "
                 f"{c.completion_tokens / wall:,.0f} tok/s | {rate:.2f} samples/s | in flight {self.engine.in_flight} | "
                 f"failed {c.failed} | length {c.length} | empty {c.empty} | retries {c.retries} | "
-                f"ETA {_fmt_eta(eta) if done_now < self.todo else '0m00s'} | {self.engine.describe()}"
+                f"ETA {duration(eta) if done_now < self.todo else '0 s'} | {self.engine.describe()}"
                 + (f" | running at {self.versus_calibration()['calibration']['ratio']:.2f}x of calibration"
                    if self.calibration_tok_s else ""))
 

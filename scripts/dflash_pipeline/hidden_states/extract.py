@@ -29,6 +29,7 @@ from dflash_pipeline.hidden_states.capture import LayerCapture
 from dflash_pipeline.hidden_states.host_pipeline import HostPipeline
 from dflash_pipeline.hidden_states.layout import CODECS, STORED_DTYPES
 from dflash_pipeline.hidden_states.writer import HiddenStateShardWriter
+from dflash_pipeline.progress import Progress
 from dflash_pipeline.target_layers import resolve_target_layer_ids, validate_target_layer_ids
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,8 @@ def _forward_batch(capture, tokens: TokenShard, idx: list[int], settings, pad_mu
                  [tokens.loss_mask[i] for i in idx], lens, host, event), len(idx) * S
 
 
-def _run_batches(capture, tokens, batches, settings, pad_multiple, device, host: HostPipeline) -> int:
+def _run_batches(capture, tokens, batches, settings, pad_multiple, device, host: HostPipeline,
+                 progress: Progress) -> int:
     """Forward every batch, feeding the host pipeline; returns the padded token count."""
     import torch
 
@@ -187,6 +189,7 @@ def _run_batches(capture, tokens, batches, settings, pad_multiple, device, host:
                 batch, n = _forward_batch(capture, tokens, idx, settings, pad_multiple, device, stream)
                 padded += n
                 host.put(batch)
+                progress.update(sum(len(tokens.input_ids[i]) for i in idx))
     except BaseException:
         host.finish(raise_errors=False)
         raise
@@ -249,7 +252,8 @@ def extract_shard(tokens_path: str, model_path: str, out_path: str, settings: Ex
                             background_flush=device.startswith("cuda"))
         t_gpu = time.perf_counter()
         try:
-            padded = _run_batches(capture, tokens, batches, settings, pad_multiple, device, host)
+            progress = Progress(f"extract {os.path.basename(out_path)}", sum(lengths), "tokens", log)
+            padded = _run_batches(capture, tokens, batches, settings, pad_multiple, device, host, progress)
         except BaseException:
             writer.abort()
             raise
