@@ -109,7 +109,7 @@ def test_snakemake_failed_gate_stops_the_run(tmp_path):
 def test_every_record_quarantined_gate_says_too_few_samples(tmp_path):
     """0 shards: the audit gets no per-shard files (the rule passes `--audits` with nothing after it)."""
     raw = tmp_path / "bad.jsonl"
-    raw.write_text('{"id": 1, "conversations": []}\nnot json\n')
+    raw.write_text('{"id": 1, "conversations": []}\nnot json\n{"dialog": []}\n{"dialog": []}\n')
     ingest_file(str(raw), str(tmp_path / "bad.parquet"), str(tmp_path / "bad.stats.json"), str(tmp_path / "q.jsonl"))
     write_json(tmp_path / "manifest.json", build_manifest([str(tmp_path / "bad.parquet")],
                                                           [str(tmp_path / "bad.stats.json")], shard_size=8))
@@ -120,6 +120,9 @@ def test_every_record_quarantined_gate_says_too_few_samples(tmp_path):
     gate = run_cli("gate", "--report", tmp_path / "report.json", "--out", tmp_path / "gate.ok", check=False)
     assert gate.returncode == 1 and "0 samples: too few samples survived ingest" in gate.stderr
     assert "100.0% of records read were quarantined" in gate.stderr
+    # the gate names the file, its commonest reason and where every quarantined record is
+    assert (f"{raw}: 4 of 4 records quarantined, 2 of them for \"no 'conversations', 'messages' or 'conversation' "
+            f"field\" (all in {tmp_path / 'files' / 'bad.quarantine.jsonl'})") in gate.stderr, gate.stderr
 
 
 def test_shard_audit_of_an_older_format_is_named(tmp_path):

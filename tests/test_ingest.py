@@ -69,6 +69,22 @@ def test_json_array_roles_and_quarantine(tmp_path):
     assert all(q["file"] == str(path) and q["byte_offset"] > 0 for q in quarantine)
 
 
+def test_lmsys_and_wildchat_conversation_field_is_read(tmp_path):
+    """LMSYS-Chat-1M and WildChat store OpenAI-style turns under `conversation` (singular) with a
+    `conversation_id`; a record with none of the known fields is quarantined with the names it looked for."""
+    records = [
+        {"conversation_id": "c1", "model": "vicuna-13b", "conversation": [
+            {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]},
+        {"dialog": [{"role": "user", "content": "Q"}]},
+    ]
+    path = tmp_path / "lmsys.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    stats, rows, quarantine = ingest(path, tmp_path)
+    assert (stats["kept"], stats["quarantined"]) == (1, 1)
+    assert rows[0]["source_id"] == "c1" and [m["role"] for m in rows[0]["messages"]] == ["user", "assistant"]
+    assert quarantine[0]["reason"] == "no 'conversations', 'messages' or 'conversation' field"
+
+
 @pytest.mark.parametrize("compression", ["none", "gz", "zst"])
 def test_jsonl_compressed_and_invalid_lines(tmp_path, compression):
     records = [conv(i) for i in range(50)]

@@ -15,6 +15,7 @@ import base64
 import html
 import io
 import json
+import os
 import sys
 from collections import Counter
 
@@ -94,7 +95,8 @@ def _check_specs(agg: dict, thresholds: dict) -> list[tuple]:
     placeholders = [a["answer"] for a in agg["top_answers"][:3] if a["samples"] >= min_repeats]
     return [
         ("min_samples", t.get("samples", 0), thresholds["min_samples"], ">=",
-         "||too few samples survived ingest and tokenization: check the inputs and the quarantine file"),
+         "||too few samples survived ingest and tokenization: check the inputs"
+         + (f"; {quarantined_files(agg['ingest'])}" if ingest["quarantined"] else "")),
         ("trivial", t.get("trivial", 0) / n, thresholds["max_trivial_fraction"], "<=",
          f"of samples have trivial responses (no turn over {trivial_tokens} supervised tokens, e.g. a bare 'OK.')||"
          "regenerate the responses with the target (generate.enabled: true) or filter these samples"),
@@ -117,8 +119,21 @@ def _check_specs(agg: dict, thresholds: dict) -> list[tuple]:
         ("duplicates", ingest["duplicates"] / read, thresholds["max_duplicate_fraction"], "<=",
          "of records read were exact duplicates (dropped)||check that inputs are not listed twice"),
         ("quarantined", ingest["quarantined"] / read, thresholds["max_quarantine_fraction"], "<=",
-         "of records read were quarantined as malformed||see the quarantine files for reasons"),
+         f"of records read were quarantined as malformed||{quarantined_files(agg['ingest'])}"),
     ]
+
+
+def quarantined_files(ingest: dict, top: int = 3) -> str:
+    """The files with the most quarantined records, each with its commonest reason and its quarantine file."""
+    files = sorted((f for f in ingest["files"] if f["quarantined"]), key=lambda f: -f["quarantined"])
+    parts = []
+    for f in files[:top]:
+        reason, count = max(f["quarantine_reasons"].items(), key=lambda kv: kv[1], default=("?", 0))
+        where = os.path.join(ingest.get("quarantine_dir", "ingest/files"), f"{f['src']}.quarantine.jsonl")
+        parts.append(f"{f['file']}: {f['quarantined']} of {f['records_read']} records quarantined, "
+                     f"{count} of them for {reason!r} (all in {where})")
+    more = f"; and {len(files) - top} more file(s)" if len(files) > top else ""
+    return "; ".join(parts) + more if parts else "see the quarantine files for reasons"
 
 
 def evaluate_checks(agg: dict, thresholds: dict, mode: str) -> list[dict]:
@@ -142,6 +157,7 @@ def evaluate_checks(agg: dict, thresholds: dict, mode: str) -> list[dict]:
 def build_report(audit_paths, manifest_path, thresholds, mode, dataset) -> dict:
     min_repeats = thresholds["placeholder_min_repeats"]
     agg = aggregate(audit_paths, read_json(manifest_path), min_repeats)
+    agg["ingest"]["quarantine_dir"] = os.path.join(os.path.dirname(manifest_path), "files")
     checks = evaluate_checks(agg, thresholds, mode)
     t = agg["totals"]
     n = max(t.get("samples", 0), 1)

@@ -44,15 +44,18 @@ class RecordRejected(ValueError):
 
 
 def normalize_record(record) -> tuple[str | None, list[dict]]:
-    """(original id, normalized messages) of a ShareGPT or OpenAI-messages record, or RecordRejected."""
+    """(original id, normalized messages) of a ShareGPT (`conversations`), OpenAI (`messages`) or LMSYS/WildChat
+    (`conversation`) record, or RecordRejected."""
     if not isinstance(record, dict):
         raise RecordRejected(f"record is a {type(record).__name__}, not an object")
     if "conversations" in record:
         turns, role_key, text_key = record["conversations"], "from", "value"
     elif "messages" in record:
         turns, role_key, text_key = record["messages"], "role", "content"
+    elif "conversation" in record:  # LMSYS-Chat-1M and WildChat: OpenAI-style turns under the singular name
+        turns, role_key, text_key = record["conversation"], "role", "content"
     else:
-        raise RecordRejected("no 'conversations' or 'messages' field")
+        raise RecordRejected("no 'conversations', 'messages' or 'conversation' field")
     if not isinstance(turns, list):
         raise RecordRejected(f"conversation is a {type(turns).__name__}, not a list")
     if not turns:
@@ -78,7 +81,7 @@ def normalize_record(record) -> tuple[str | None, list[dict]]:
         messages.append({"role": role, "content": text, "reasoning_content": reasoning})
     if not any(m["role"] == "user" for m in messages):
         raise RecordRejected("no user turn")
-    raw_id = record.get("id")
+    raw_id = record.get("id", record.get("conversation_id"))
     return (None if raw_id is None else str(raw_id)), messages
 
 

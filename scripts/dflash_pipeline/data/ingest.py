@@ -195,7 +195,9 @@ def _stats(name: str, result: ReadResult, counts: Counter) -> dict:
 def _reason_kind(reason: str) -> str:
     """Group reasons for counting: 'turn 3 has unknown role 'tool'' -> 'unknown role'."""
     for kind in ("over max_record_bytes", "invalid UTF-8", "not valid Unicode", "unknown role", "invalid JSON",
-                 "no text", "no role", "empty conversation", "no user turn", "system turn", "no 'conversations'", "not an object", "not a list", "reasoning_content"):
+                 "no text", "no role", "empty conversation", "no user turn", "system turn",
+                 "no 'conversations', 'messages' or 'conversation' field", "not an object", "not a list",
+                 "reasoning_content"):
         if kind in reason:
             return kind
     return reason
