@@ -42,3 +42,9 @@ rule all:
 
 # after every rule exists: the seconds of checks that stop a doomed run before its first job (rules/common.smk)
 run_preflight()
+
+
+# the console's last line points at what to read
+onsuccess:
+    if os.path.exists(os.path.join(R, "report/summary.html")):
+        print(f"\nThe run's summary: {os.path.join(R, 'report/summary.html')}")
