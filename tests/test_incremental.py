@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import readme_path
 
 from conftest import BIN, run_cli
 from workflow_runs import changed, make_workdir, planned, planned_outputs, snakemake, snapshot, workflow_env
@@ -28,10 +29,12 @@ SHARD_RE = re.compile(r"(?P<shard>[A-Za-z0-9_.]+-\d{5})")
 
 @pytest.fixture(scope="module")
 def done_run(tmp_path_factory, tiny_target):
-    """A run directory where the whole workflow has run once."""
+    """A run directory where the whole workflow has run once: the README's path, walked command by command
+    (`readme_path.walk`: copy the example config, dry runs on the local and SLURM profiles, the plan, the run,
+    unlock and a dry run that finds nothing left), with the tiny test config as the user's edit."""
     workdir = make_workdir(tmp_path_factory.mktemp("incremental") / "run", model=tiny_target)
     t0 = time.monotonic()
-    snakemake(workdir, "--cores", "2")
+    readme_path.walk(workdir)
     print(f"full run: {time.monotonic() - t0:.1f} s")
     return workdir
 
@@ -65,6 +68,9 @@ def test_report_collects_every_stage(done_run):
     summary = (done_run / "results/report/summary.html").read_text()
     for section in ("Generation", "Training", "Acceptance length", "Stage wall time"):
         assert section in summary
+    # readable on its own (tests/test_report_summary.py has the details): figures embedded, no reprs in cells
+    assert summary.count("src='data:image/png;base64,") == 4 and "{&quot;" not in summary and "<td>{" not in summary
+    assert "not comparable" in summary  # the plan's GPU rates against this CPU run
     assert planned(snakemake(done_run, "-n")) == {}
 
 
