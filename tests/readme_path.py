@@ -73,9 +73,12 @@ def check_step(workdir: Path, cmd: str, proc: subprocess.CompletedProcess, finis
         else:
             # per-shard jobs appear once the manifest (the checkpoint) exists
             assert {"ingest", "manifest", "calibrate", "plan", "train", "export", "evaluate"} <= set(jobs), jobs
-    elif words[:2] == ["cat", "results/plan.txt"]:
-        assert proc.stdout.startswith("PLAN") and "samples:" in proc.stdout, proc.stdout[:500]
-    elif words[0] == "snakemake" and "--unlock" not in words and words[1] not in ("results/plan.txt",):
+    elif words[:2] == ["cat", "results/preview.txt"]:
+        assert "samples:" in proc.stdout and "ASSUMED" in proc.stdout, proc.stdout[:1000]
+    elif words[:2] == ["dflash-pipeline", "reset"]:  # without --yes: a list, nothing deleted
+        assert "would delete" in proc.stdout and "nothing deleted" in proc.stdout, proc.stdout
+        assert (workdir / "results/train/drafter").exists()
+    elif words[0] == "snakemake" and "--unlock" not in words and not words[1].startswith("results/"):
         assert (workdir / "results/report/summary.html").is_file()
         for path in serve_draft_paths():
             cfg = json.loads((workdir / path / "config.json").read_text())

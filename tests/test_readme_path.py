@@ -52,7 +52,7 @@ def test_every_step_of_the_path_has_commands_on_the_users_config():
 def test_the_readme_names_what_a_first_real_run_needs():
     text = README.read_text()
     for needed in ("config/qwen3-8b.example.yaml", "--configfile", "inputs:", "model_path:", "profiles/kubernetes",
-                   "gpu_hour_usd", "--unlock", "sglang.launch_server", "vllm serve", "results/report/summary.html"):
+                   "gpu_hour_usd", "results/preview.txt", "dflash-pipeline reset", "--unlock", "sglang.launch_server", "vllm serve", "results/report/summary.html"):
         assert needed in text, needed
 
 
