@@ -80,6 +80,7 @@ def check_step(workdir: Path, cmd: str, proc: subprocess.CompletedProcess, finis
         assert (workdir / "results/train/drafter").exists()
     elif words[0] == "snakemake" and "--unlock" not in words and not words[1].startswith("results/"):
         assert (workdir / "results/report/summary.html").is_file()
+        assert "The run's summary: results/report/summary.html" in proc.stdout  # the console points at it
         for path in serve_draft_paths():
             cfg = json.loads((workdir / path / "config.json").read_text())
             assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"]
