@@ -86,7 +86,7 @@ def test_summary_embeds_its_figures_and_formats_every_number(tmp_path):
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
     cells = [c for row in page.rows for c in row]
-    reprs = [c for c in cells if re.search(r"[{}\[\]]|\bTrue\b|\bFalse\b|\bNone\b|\d\.\d{6}", c)]
+    reprs = [c for c in cells if re.search(r"[{}\[\]]|\bTrue\b|\bFalse\b|\bNone\b|\d\.\d{8}", c)]
     assert not reprs, reprs
     rows = {r[0]: r[1:] for r in page.rows if len(r) == 2}
     assert rows["generated tokens"] == ["480 tokens"] and rows["failure reasons"] == ["prompt too long: 1"]
@@ -111,10 +111,12 @@ def test_plan_vs_actual_compares_like_with_like(tmp_path):
     on_gpu = {(r[0], r[1]): r[2:] for r in _run(tmp_path / "gpu", "NVIDIA H200").rows if len(r) == 5}
     assert on_gpu[("extraction", "tok/s")][2] == f"{550 / 3.4e6:.3g}x"
     assert on_gpu[("training", "GPU-hours (job-hours x GPUs per job)")][1] == "0.0258 GPU-hours"
+    assert versus[("generation", "mean output tokens per sample")][:2] == ["15.5 tokens", "15.0 tokens"]
 
 
 def test_units():
     assert units.nbytes(230e9) == "230.00 GB" and units.nbytes(512) == "512 B"
     assert units.seconds(11.58) == "12 s" and units.seconds(9.62) == "9.62 s" and units.seconds(3725) == "1 h 02 min"
     assert units.tok_s(73760.4) == "73,760 tok/s" and units.tok_s(0.5) == "0.5 tok/s"
+    assert units.hours(2.5e-6, "GPU-hours") == "0.009 GPU-seconds" and units.hours(0.5, "job-hours") == "0.5 job-hours"
     assert units.percent(0.5) == "50%" and units.ratio(1.153) == "1.15x" and units.listing({}) == "–"

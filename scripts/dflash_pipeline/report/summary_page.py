@@ -18,7 +18,7 @@ STYLE = ("body{font-family:sans-serif;margin:1.5em;max-width:75em}table{border-c
 # the unit of each measure of the plan-vs-actual table
 MEASURE_FORMAT = {
     "output tok/s per job (start-up excluded)": u.tok_s,
-    "mean output tokens per sample": u.tokens,
+    "mean output tokens per sample": u.mean_tokens,
     "output tokens (whole corpus)": u.tokens,
     "finish_reason=length rate": u.percent,
     "failure rate": u.percent,

@@ -40,10 +40,16 @@ def seconds(v) -> str:
 
 
 def hours(v, what: str = "h") -> str:
-    """GPU-hours or job-hours: small values in seconds-like precision, large ones as whole hours."""
+    """GPU-hours or job-hours; below 0.01 h in seconds of the same kind (`GPU-hours` -> `GPU-seconds`)."""
     if v is None:
         return NONE
+    if 0 < v < 0.01:
+        return f"{v * 3600:.3g} {what.replace('hours', 'seconds')}"
     return f"{v:,.1f} {what}" if v >= 10 else f"{v:.3g} {what}"
+
+
+def mean_tokens(v) -> str:
+    return NONE if v is None else f"{v:,.1f} tokens"
 
 
 def percent(fraction) -> str:
