@@ -68,7 +68,7 @@ STAGES = {
                              "stop before the full generation when its projected wall time or GPU hours exceed the "
                              "limits"),
     "reset": Stage("dflash_pipeline.planning.reset", "add_arguments", "run",
-                   "delete a stage's outputs and resume state, so that the next run redoes it (after a fix)"),
+                   "delete a stage's resume state (journals, checkpoints), so that --forcerun redoes it"),
     "hidden-verify": Stage("dflash_pipeline.hidden_states.verify", "add_arguments", "run",
                            "check hidden-state shards (footer, index, every checksum)"),
     "train": Stage("dflash_pipeline.drafter.train", "add_arguments", "run", "train the DFlash drafter", "train"),
