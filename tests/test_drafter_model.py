@@ -284,3 +284,47 @@ def test_loss_weightings_decay_dpace_none(parts):
     assert abs(float(out["decay"].loss) - float((ce * w_decay).sum() / w_decay.sum())) < 1e-5
     losses = sorted(float(o.loss) for o in out.values())
     assert losses[1] - losses[0] > 1e-4 and losses[2] - losses[1] > 1e-4
+
+
+def test_heldout_acceptance_is_the_leading_run_of_greedy_matches(parts):
+    """block_acceptance against a per-block reference: each block drafted alone, its argmax compared with
+    the data position by position until the first miss (or an unsupervised / out-of-range label)."""
+    from dflash_pipeline.drafter.heldout import block_acceptance
+
+    cfg, head, drafter, target = parts
+    batch, feats = _batch(cfg, target, lengths=(40, 31), prompt=8, anchors=9, seed=5)
+    # make some drafts right: the data continuation of a few blocks is the drafter's own greedy output
+    for b, j in ((0, 1), (1, 2), (1, 4)):
+        a = int(batch.anchors[b, j])
+        pred = head.lm_head(_block_alone(cfg, head, drafter, batch, feats, b, j)[0]).argmax(-1)
+        n = int(batch.lengths[b])
+        for k in range(1, min(cfg.block_size, n - a)):
+            batch.input_ids[b, a + k] = pred[k] if k < 5 else (pred[k] + 1) % head.vocab_rows
+    feats = target_features(target, batch.input_ids, batch.lengths, cfg.target_layer_ids)
+    with torch.no_grad():
+        blocks, accepted, reach = block_acceptance(drafter, head, batch, feats, "sdpa", None)
+        ref_len, ref_reach = [], torch.zeros(cfg.block_size)
+        for b in range(2):
+            for j in range(int(batch.block_valid[b].sum())):
+                a, n = int(batch.anchors[b, j]), int(batch.lengths[b])
+                pred = head.lm_head(_block_alone(cfg, head, drafter, batch, feats, b, j)[0]).argmax(-1)
+                run = 0
+                for k in range(1, cfg.block_size):
+                    if a + k >= n or batch.loss_mask[b, a + k] == 0 or pred[k] != batch.input_ids[b, a + k]:
+                        break
+                    run += 1
+                ref_len.append(1 + run)
+                ref_reach[: run + 1] += 1
+    assert blocks == len(ref_len) and abs(accepted - sum(ref_len)) < 1e-9
+    assert torch.equal(reach, ref_reach) and max(ref_len) >= 5  # the planted blocks reach position 4
+
+
+def test_acceptance_stopped_improving_verdict():
+    from dflash_pipeline.drafter.heldout import stalled
+
+    rising = [(10, 1.0), (20, 1.5), (30, 2.0)]
+    assert not stalled(rising, 2)["stopped_improving"]
+    flat = rising + [(40, 2.005), (50, 1.9)]  # +0.005 is below MIN_GAIN
+    v = stalled(flat, 2)
+    assert v["stopped_improving"] and v["best_step"] == 40 and v["measurements_since_gain"] == 2
+    assert not stalled(flat, 3)["stopped_improving"] and not stalled(flat, 0)["stopped_improving"]

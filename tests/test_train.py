@@ -69,6 +69,9 @@ def test_killed_and_resumed_run_ends_with_identical_weights(tiny_target, token_s
     assert (killed / "out" / "per_position.png").stat().st_size > 1000
     summary = json.loads((killed / "out" / "summary.json").read_text())
     assert summary["resumed_from_step"] == 3 and summary["steps"] == 7
+    # held-out acceptance (default every 50 steps and at the end): in the last record and the summary
+    assert 1.0 <= rec["heldout_tau"] <= 8 and rec["heldout_blocks"] > 0 and rec["heldout_reach_per_position"][0] == 1
+    assert summary["heldout_acceptance"]["last_tau"] == rec["heldout_tau"]
     # checkpoints of other settings (a config change reruns the rule) are set aside, never resumed from
     assert run_in_process(*_train_args(tiny_target, token_shards, killed / "out2", killed / "ckpt", lr="1e-3")) == 0
     assert json.loads((killed / "out2" / "summary.json").read_text())["resumed_from_step"] == 0
@@ -112,6 +115,23 @@ def test_offline_training_from_hidden_state_shards_matches_online(tiny_target, t
     rc = run_in_process(*_train_args(tiny_target, hidden_paths, tmp_path / "bad", tmp_path / "bad-ck", mode="offline",
                                      target_layer_ids="2", **common))
     assert rc == 2 and f"extracted at target layers {layer_ids}" in capsys.readouterr().err
+
+
+def test_held_out_acceptance_logged_and_a_stalled_run_says_so(tiny_target, token_shards, tmp_path, caplog):
+    """Acceptance every step: a record per step with the held-out tau; with a learning rate too small to move
+    the weights the curve is flat, and the run warns and its summary says acceptance stopped improving."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="dflash_pipeline.drafter.train")
+    args = _train_args(tiny_target, token_shards, tmp_path / "out", tmp_path / "ck", max_steps=4, lr="1e-12",
+                       log_every=4, acceptance_every=1, acceptance_patience=2, acceptance_samples=4)
+    assert run_in_process(*args) == 0
+    recs = [json.loads(ln) for ln in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4] and all(r["heldout_tau"] >= 1.0 for r in recs)
+    assert [r["heldout_stopped_improving"] for r in recs] == [False, False, True, True]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())["heldout_acceptance"]
+    assert summary["stopped_improving"] and summary["best_step"] == 1 and summary["measurements"] == 4
+    assert "held-out acceptance has not improved for 2 measurements" in caplog.text
 
 
 def test_ddp_two_processes_gloo(tiny_target, token_shards, tmp_path):

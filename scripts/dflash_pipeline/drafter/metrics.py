@@ -80,7 +80,19 @@ def summarize(records: list[dict], dcfg, args, total_steps: int, n_samples: int,
         "final_acc_per_position": [avg("acc_per_position", k) for k in range(dcfg.block_size)],
         "final_loss_per_position": [avg("loss_per_position", k) for k in range(dcfg.block_size)],
         "wall_seconds_this_run": round(wall, 2), "resumed_from_step": start_step,
+        "heldout_acceptance": heldout_summary(records, getattr(args, "acceptance_patience", 0)),
     }
+
+
+def heldout_summary(records: list[dict], patience: int) -> dict | None:
+    """The held-out acceptance curve's verdict: last and best tau, and whether it stopped improving."""
+    from dflash_pipeline.drafter.heldout import stalled
+
+    history = [(r["step"], r["heldout_tau"]) for r in records if r.get("heldout_tau") is not None]
+    if not history:
+        return None
+    return {"last_step": history[-1][0], "last_tau": history[-1][1], "measurements": len(history),
+            **stalled(history, patience)}
 
 
 def plot_metrics(records: list[dict], path: Path) -> None:
@@ -89,7 +101,11 @@ def plot_metrics(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    held = [r for r in records if r.get("heldout_tau") is not None]
+    axes[3].plot([r["step"] for r in held], [r["heldout_tau"] for r in held], marker="o")
+    axes[3].set_title("held-out acceptance (simulated tau, greedy)")
+    axes[3].set_xlabel("step")
     if records:
         steps = [r["step"] for r in records]
         axes[0].plot(steps, [r["loss"] for r in records], label="loss (decay-weighted)")
@@ -105,7 +121,7 @@ def plot_metrics(records: list[dict], path: Path) -> None:
             axes[2].plot(ks, [r["loss_per_position"][k] for k in ks], marker="o", label=f"step {r['step']}")
     axes[1].set_title("accuracy per block position")
     axes[2].set_title("cross-entropy per block position")
-    for ax in axes[1:]:
+    for ax in axes[1:3]:
         ax.set_xlabel("position in block (k)")
         ax.legend()
     save_figure(fig, path)

@@ -128,7 +128,7 @@ class HiddenSource:
     kind = "hidden"
 
     def __init__(self, paths: list[str], target_layer_ids: list[int], holdout_fraction: float = 0.0,
-                 max_length: int | None = None):
+                 max_length: int | None = None, keep: str = "train"):
         from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
 
         self.paths = [str(p) for p in paths]
@@ -144,7 +144,7 @@ class HiddenSource:
                     f"is configured for {list(target_layer_ids)}; re-extract or fix drafter.target_layer_ids")
             for row, sid in enumerate(reader.sample_ids):
                 _claim(seen, sid, self.paths[s])
-                if not is_holdout(sid, holdout_fraction):
+                if is_holdout(sid, holdout_fraction) == (keep == "holdout"):
                     self.index.append((s, row))
         self.hidden_size = self.readers[0].hidden_size if self.readers else 0
         for path, reader in zip(self.paths, self.readers):

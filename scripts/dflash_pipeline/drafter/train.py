@@ -34,6 +34,7 @@ from dflash_pipeline.drafter.checkpoints import CheckpointStore
 from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.distributed import Dist
 from dflash_pipeline.drafter.features import target_features, target_features_and_predictions
+from dflash_pipeline.drafter.heldout import AcceptanceMonitor
 from dflash_pipeline.drafter.loss import WEIGHTINGS, block_loss
 from dflash_pipeline.drafter.metrics import StepMetrics, append_record, plot_metrics, read_records, summarize
 from dflash_pipeline.drafter.model import DFlashDrafter, count_parameters
@@ -85,6 +86,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="data: the sequence's own next tokens (the recipe); target (online only): the target's "
                         "greedy prediction at each position, for data that is not the target's own output")
     p.add_argument("--holdout-fraction", type=float, default=0.0, help="sample ids kept for evaluation")
+    p.add_argument("--acceptance-every", type=int, default=50,
+                   help="every N steps (and at the end) the simulated acceptance on held-out samples (0: never)")
+    p.add_argument("--acceptance-samples", type=int, default=32, help="held-out samples it uses")
+    p.add_argument("--acceptance-patience", type=int, default=3,
+                   help="measurements without a gain after which the run says acceptance stopped improving")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto",
                    help="auto: flex attention (block-sparse) on GPU, dense-mask SDPA on CPU")
@@ -173,14 +179,16 @@ def _drafter_config(args, dev: torch.device):
     return dcfg, head
 
 
-def _open_source(args, dcfg: DrafterConfig):
+def _open_source(args, dcfg: DrafterConfig, keep: str = "train"):
     if args.mode == "offline":
-        source = HiddenSource(args.inputs, dcfg.target_layer_ids, args.holdout_fraction, args.max_length)
+        source = HiddenSource(args.inputs, dcfg.target_layer_ids, args.holdout_fraction, args.max_length, keep)
         if source.hidden_size and source.hidden_size != dcfg.hidden_size:
             raise PipelineError(f"hidden-state shards have hidden size {source.hidden_size}, the target "
                                 f"{dcfg.hidden_size}: were they extracted from another model?")
     else:
-        source = TokenSource(args.inputs, args.holdout_fraction, args.max_length)
+        source = TokenSource(args.inputs, args.holdout_fraction, args.max_length, keep=keep)
+    if keep == "holdout":
+        return source
     if len(source) == 0:
         raise PipelineError("no training samples (all inputs empty or held out)")
     return source
@@ -272,6 +280,33 @@ def _features_and_labels(run: TrainingRun, batch):
     return target_features(run.target, batch.input_ids, batch.lengths, run.dcfg.target_layer_ids), None
 
 
+def acceptance_monitor(run: TrainingRun) -> AcceptanceMonitor | None:
+    """The held-out acceptance measurement (rank 0), or None when off or without held-out samples."""
+    args = run.args
+    if not run.dist.main or args.acceptance_every <= 0 or args.holdout_fraction <= 0:
+        return None
+    monitor = AcceptanceMonitor(_open_source(args, run.dcfg, keep="holdout"), args.acceptance_samples,
+                                args.batch_size, args.seed, args.acceptance_patience)
+    if not monitor:
+        log.info("no held-out samples with a block to score: acceptance is not measured while training")
+        return None
+    return monitor
+
+
+def measure_acceptance(run: TrainingRun, monitor: AcceptanceMonitor, step: int) -> dict:
+    """The held-out acceptance record fields at `step` (features stored, or computed by the target)."""
+    def features(batch):
+        if batch.features is not None:
+            return batch.features
+        return target_features(run.target, batch.input_ids, batch.lengths, run.dcfg.target_layer_ids)
+
+    rec = monitor.measure(run, features)
+    verdict = monitor.observe(step, rec["heldout_tau"])
+    log.info("step %d held-out acceptance: tau %.3f over %d blocks (best %.3f at step %d)", step, rec["heldout_tau"],
+             rec["heldout_blocks"], verdict["best_tau"], verdict["best_step"])
+    return {**rec, "heldout_stopped_improving": verdict["stopped_improving"]}
+
+
 def train_step(run: TrainingRun, micro, metrics: StepMetrics) -> torch.Tensor:
     """Forward/backward of every micro-batch (gradients synced on the last), clip, optimizer step; the grad norm."""
     run.model.train()
@@ -331,6 +366,9 @@ def _run(args) -> int:
     store = CheckpointStore(args.checkpoint_dir, fp, args.keep_checkpoints, run.dist, args.checkpoint_mirror)
     start_step = store.restore(run.drafter, run.opt, run.sched, run.device)
     metrics = StepMetrics(run.dcfg.block_size, run.device)
+    monitor = acceptance_monitor(run)
+    if monitor and store.metrics_path.exists():
+        monitor.load_history(read_records(store.metrics_path))
     t_start = time.perf_counter()
     prefetch = Prefetcher(run.steps)
     progress = Progress("train", run.total_steps, "steps", log, start=start_step)  # elapsed and ETA
@@ -347,10 +385,13 @@ def _run(args) -> int:
         done = step + 1
         if run.dist.main:
             progress.update()
-        # log: statistics summed over ranks since the last logged step
-        if done % args.log_every == 0 or done == run.total_steps:
+        # log: statistics summed over ranks since the last logged step, and the held-out acceptance when due
+        accept = done == run.total_steps or (args.acceptance_every > 0 and done % args.acceptance_every == 0)
+        if done % args.log_every == 0 or done == run.total_steps or accept:
             rec = metrics.record(run.dist, done, done / run.steps.steps_per_epoch, run.sched.get_last_lr()[0],
                                  grad_norm)
+            if monitor and accept:
+                rec.update(measure_acceptance(run, monitor, done))
             if run.dist.main:
                 append_record(store.metrics_path, rec, run.total_steps)
         # checkpoint: a killed run resumes here with exactly this state

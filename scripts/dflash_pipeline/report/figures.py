@@ -141,7 +141,7 @@ def training_figure(metrics: str | None, out: Path) -> dict:
         _placeholder(out, "Training", "no training metrics found")
         return {}
     plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.4))
     steps = [r["step"] for r in records]
     axes[0].plot(steps, [r.get("loss") for r in records], marker=".")
     axes[0].set_title("loss")
@@ -149,12 +149,17 @@ def training_figure(metrics: str | None, out: Path) -> dict:
     axes[1].set_title("block accuracy")
     axes[2].plot(steps, [r.get("lr") for r in records], marker=".")
     axes[2].set_title("learning rate")
+    held = [r for r in records if r.get("heldout_tau") is not None]
+    axes[3].plot([r["step"] for r in held], [r["heldout_tau"] for r in held], marker="o")
+    axes[3].set_title("held-out acceptance (simulated tau)")
     for ax in axes:
         ax.set_xlabel("optimizer step")
     _save(fig, out)
     last = records[-1]
     return {"steps": last.get("step"), "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"),
-            "tokens_per_s": last.get("tokens_per_s")}
+            "tokens_per_s": last.get("tokens_per_s"),
+            "heldout_tau": [[r["step"], r["heldout_tau"]] for r in held],
+            "heldout_stopped_improving": bool(held and held[-1].get("heldout_stopped_improving"))}
 
 
 def tau_figure(report: str | None, out: Path) -> dict:
