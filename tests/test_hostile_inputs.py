@@ -407,3 +407,15 @@ def test_generate_without_model_never_reuses_another_models_answers(tiny_target,
     with SGLangTestServer(Path("remote-org/remote-model"), "--weight-version", "v7", engine="instant") as server:
         assert cli_main(capsys, *gen2, "--servers", server.url).returncode == 0  # identified by its version
         assert read_summary(out2)["resumed_from_journal"] == 0
+
+
+def test_generate_names_an_input_that_is_not_an_ingested_shard(tmp_path, capsys):
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist([{"sample_id": "a", "source": "x", "source_id": None,
+                                          "messages": [{"from": "human", "value": "hi"}]}]), tmp_path / "sg.parquet")
+    (tmp_path / "text.parquet").write_text("not parquet\n")
+    for name, why in (("sg", "ShareGPT from/value"), ("text", "not a readable Parquet file")):
+        _one_line_error(cli_main(capsys, "generate", "--input", tmp_path / f"{name}.parquet", "--out",
+                                 tmp_path / "o.parquet", *GEN_FAST, "--servers", "http://127.0.0.1:9"),
+                        f"{name}.parquet", why)

@@ -13,6 +13,8 @@ import unicodedata
 
 import pyarrow as pa
 
+from dflash_pipeline.errors import PipelineError
+
 ROLE_MAP = {
     "human": "user",
     "user": "user",
@@ -102,3 +104,19 @@ def sample_id(messages: list[dict]) -> str:
     )
     return hashlib.blake2b(canonical.encode("utf-8"), digest_size=12).hexdigest()
 
+
+def check_conversation_table(path: str, table: pa.Table) -> None:
+    """A table of conversations (an ingested or completions shard) has ids and role/content messages; one line
+    naming the file and what is wrong otherwise (e.g. a raw ShareGPT table that skipped ingest)."""
+    missing = [c for c in ("sample_id", "messages") if c not in table.column_names]
+    if missing:
+        hint = " (ShareGPT 'conversations': run `dflash-pipeline ingest` on it first)" \
+            if "conversations" in table.column_names else ""
+        raise PipelineError(f"{path}: not an ingested shard: no column {', '.join(map(repr, missing))}{hint}")
+    mtype = table.schema.field("messages").type
+    fields = {f.name: f.type for f in mtype.value_type} if pa.types.is_list(mtype) and \
+        pa.types.is_struct(mtype.value_type) else {}
+    if fields.get("role") != pa.string() or fields.get("content") != pa.string():
+        hint = " (ShareGPT from/value: run `dflash-pipeline ingest` on the raw file)" if "from" in fields else ""
+        raise PipelineError(f"{path}: column 'messages' is {mtype}, expected a list of "
+                            f"{{role: string, content: string}} structs{hint}")

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.data.audit_stats import AUDIT_FORMAT, Histogram, answer_hash, answer_key
+from dflash_pipeline.data.conversations import check_conversation_table
 from dflash_pipeline.data.generated_tokens import encode_conversations, token_id_columns
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.progress import Progress
@@ -211,18 +212,7 @@ def read_conversations(path: str) -> pa.Table:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as exc:
         raise PipelineError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
-    missing = [c for c in ("sample_id", "messages") if c not in table.column_names]
-    if missing:
-        hint = " (ShareGPT 'conversations': run `dflash-pipeline ingest` on it first)" \
-            if "conversations" in table.column_names else ""
-        raise PipelineError(f"{path}: not an ingested shard: no column {', '.join(map(repr, missing))}{hint}")
-    mtype = table.schema.field("messages").type
-    fields = {f.name: f.type for f in mtype.value_type} if pa.types.is_list(mtype) and \
-        pa.types.is_struct(mtype.value_type) else {}
-    if fields.get("role") != pa.string() or fields.get("content") != pa.string():
-        hint = " (ShareGPT from/value: run `dflash-pipeline ingest` on the raw file)" if "from" in fields else ""
-        raise PipelineError(f"{path}: column 'messages' is {mtype}, expected a list of "
-                            f"{{role: string, content: string}} structs{hint}")
+    check_conversation_table(path, table)
     return table
 
 

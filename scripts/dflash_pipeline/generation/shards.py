@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline import storage
+from dflash_pipeline.data.conversations import check_conversation_table
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.generation.client import COMPLETION_SCHEMA, Counters
 from dflash_pipeline.generation.journal import Journal
@@ -114,11 +115,15 @@ class ShardJob:
 
 
 def _read_rows(path: str) -> list[dict]:
-    if storage.is_s3(path):
-        with storage.open_binary(path) as fh:
-            table = pq.read_table(pa.BufferReader(fh.read()))
-    else:
-        table = pq.read_table(path)
+    try:
+        if storage.is_s3(path):
+            with storage.open_binary(path) as fh:
+                table = pq.read_table(pa.BufferReader(fh.read()))
+        else:
+            table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise PipelineError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+    check_conversation_table(path, table)
     missing = {"sample_id", "source", "source_id", "messages"} - set(table.column_names)
     if missing:
         raise PipelineError(f"{path}: not an ingested shard (missing columns {sorted(missing)})")
