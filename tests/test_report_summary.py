@@ -65,7 +65,8 @@ def _run(tmp_path, device: str) -> Page:
         (tmp_path / name).write_text(json.dumps(obj))
     (tmp_path / "drafter").mkdir()
     (tmp_path / "drafter" / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": s, "loss": 3.0 / s, "accuracy": 0.1 * s, "lr": 1e-3, "tokens_per_s": 812.5}) + "\n"
+        json.dumps({"step": s, "loss": 3.0 / s, "accuracy": 0.1 * s, "lr": 1e-3, "tokens_per_s": 812.5,
+                    **({"heldout_tau": 1.0 + s / 4, "heldout_stopped_improving": False} if s % 2 else {})}) + "\n"
         for s in range(1, 6)))
     for stage, secs in (("extract", 11.58), ("train", 93.0), ("generate", 9.62)):
         (tmp_path / "benchmarks" / stage).mkdir(parents=True)
@@ -92,6 +93,8 @@ def test_summary_embeds_its_figures_and_formats_every_number(tmp_path):
     assert rows["generated tokens"] == ["480 tokens"] and rows["failure reasons"] == ["prompt too long: 1"]
     assert rows["hidden states stored"] == ["3.90 MB"] and rows["stored / raw bf16"] == ["0.696x"]
     assert rows["throughput, end to end"] == ["550 tok/s"] and rows["final block accuracy"] == ["50%"]
+    assert rows["held-out acceptance, last / best (simulated tau)"] == ["2.25 / 2.25"]
+    assert rows["held-out acceptance stopped improving"] == ["no"]
     assert rows["tau, trained drafter"] == ["9.878 tokens per target forward"] and rows["trained / untrained"] == ["9.88x"]
     assert rows["evaluation gate passed"] == ["yes"] and rows["target layer ids"] == ["1, 2"]
     assert rows["cut at max_new_tokens"] == ["93.8%"]

@@ -158,8 +158,9 @@ def training_figure(metrics: str | None, out: Path) -> dict:
     last = records[-1]
     return {"steps": last.get("step"), "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"),
             "tokens_per_s": last.get("tokens_per_s"),
-            "heldout_tau": [[r["step"], r["heldout_tau"]] for r in held],
-            "heldout_stopped_improving": bool(held and held[-1].get("heldout_stopped_improving"))}
+            "heldout_last_tau": held[-1]["heldout_tau"] if held else None,
+            "heldout_best_tau": max((r["heldout_tau"] for r in held), default=None),
+            "heldout_stopped_improving": bool(held[-1].get("heldout_stopped_improving")) if held else None}
 
 
 def tau_figure(report: str | None, out: Path) -> dict:

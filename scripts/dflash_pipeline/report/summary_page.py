@@ -68,7 +68,11 @@ def extraction_rows(d: dict) -> list[tuple[str, str]]:
 def training_rows(d: dict) -> list[tuple[str, str]]:
     return [("optimizer steps", u.count(d["steps"])), ("final loss", u.number(d["final_loss"])),
             ("final block accuracy", u.percent(d["final_accuracy"])),
-            ("throughput (last step)", u.tok_s(d["tokens_per_s"]))]
+            ("throughput (last step)", u.tok_s(d["tokens_per_s"])),
+            ("held-out acceptance, last / best (simulated tau)",
+             u.NONE if d.get("heldout_last_tau") is None else
+             f"{u.number(d['heldout_last_tau'])} / {u.number(d['heldout_best_tau'])}"),
+            ("held-out acceptance stopped improving", u.yes_no(d.get("heldout_stopped_improving")))]
 
 
 def tau_rows(d: dict) -> list[tuple[str, str]]:
