@@ -7,7 +7,8 @@ normalized by the sum of weights. Weightings (`train.loss_weighting`):
 - dpace (D-PACE, speculators' default for DFlash, with its gamma 4): the decay times a detached weight
   that follows how likely the block is to get that far: with q_j the drafter's probability of label j and
   s_j = (1 - alpha) q_j + alpha, P_k = prod_{j<=k} s_j and w_k = sum_{j>=k, scored} P_j (a position counts
-  for the scored positions behind it that a mistake there would cost);
+  for the scored positions behind it that a mistake there would cost; the definition read from SpecForge
+  0.2.0's `dpace` loss type, speculators' own code was not at hand to compare);
 - none: w_k = 1 (SpecForge's default).
 """
 
