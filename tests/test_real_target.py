@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-from conftest import run_cli
 
 from dflash_pipeline import package_paths
 from dflash_pipeline.data.chat_masking import ChatMasker
@@ -35,7 +34,7 @@ def model(smollm2_target):
 def test_import_records_the_gguf_and_writes_the_llama_config(smollm2_target):
     record = json.loads((smollm2_target / "target_import.json").read_text())
     assert record["sha256"] == SMOLLM2_SHA256
-    assert record["architecture"] == "llama" and record["tensor_types"]["Q4_1"] > 0
+    assert record["model_type"] == "llama" and record["bytes"] == 98362432
     cfg = read_config(smollm2_target)
     assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
     shape = {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -156,18 +155,83 @@ def _write_gguf(path, arch: str, with_tokenizer: bool) -> None:
     w.close()
 
 
-def test_import_refuses_what_it_cannot_take(tmp_path):
+def test_import_refuses_what_it_cannot_take(tmp_path, capsys):
+    from dflash_pipeline.cli import main as cli_main
+
+    def refused(path) -> str:
+        assert cli_main(["target-import", "--gguf", str(path), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err  # (transformers may log warnings before it)
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert "Traceback" not in err and len(errors) == 1, err
+        return errors[0]
+
     not_gguf = tmp_path / "model.gguf"
     not_gguf.write_bytes(b"PK\x03\x04 not a gguf")
-    proc = run_cli("target-import", "--gguf", not_gguf, "--out", tmp_path / "out", check=False)
-    assert proc.returncode != 0 and "not a GGUF file" in proc.stderr and "Traceback" not in proc.stderr
+    assert "not a GGUF file" in refused(not_gguf)
     odd = tmp_path / "odd.gguf"
     _write_gguf(odd, "made-up-arch", with_tokenizer=True)
-    proc = run_cli("target-import", "--gguf", odd, "--out", tmp_path / "out", check=False)
-    assert proc.returncode != 0 and "cannot take this GGUF's architecture" in proc.stderr, proc.stderr
-    assert "made-up-arch" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    err = refused(odd)
+    assert "cannot take this GGUF's architecture" in err and "made-up-arch" in err
     bare = tmp_path / "bare.gguf"
     _write_gguf(bare, "llama", with_tokenizer=False)
-    proc = run_cli("target-import", "--gguf", bare, "--out", tmp_path / "out", check=False)
-    assert proc.returncode != 0 and "no usable tokenizer in the GGUF" in proc.stderr, proc.stderr
+    assert "no usable tokenizer in the GGUF" in refused(bare)
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+# What the engines' DFlash loaders read from the draft's config.json, from their sources (README: Real target):
+# SGLang python/sglang/srt/models/dflash.py (DFlashAttention, DFlashMLP, DFlashDraftModel) and
+# speculative/dflash_utils.py (parse_dflash_draft_config); vLLM vllm/model_executor/models/qwen3_dflash.py
+# (DFlashQwen3DecoderLayer, DFlashQwen3Model). Both parse the file with transformers' AutoConfig (model_type ->
+# LlamaConfig here) and read attributes; both build Qwen3-style layers (per-head q_norm/k_norm) for any model_type.
+ENGINE_READS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "hidden_act", "rms_norm_eps", "attention_bias", "max_position_embeddings", "num_hidden_layers",
+                "layer_types", "rope_parameters", "vocab_size", "block_size", "num_target_layers", "dflash_config")
+
+
+def test_export_for_the_llama_target_is_what_both_engines_load(smollm2_target, tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from dflash_pipeline import storage
+    from dflash_pipeline.cli import main as cli_main
+    from dflash_pipeline.drafter.config import DrafterConfig
+    from dflash_pipeline.drafter.model import DFlashDrafter
+    from dflash_pipeline.target_layers import default_target_layer_ids
+
+    target_cfg = read_config(smollm2_target)
+    ids = default_target_layer_ids(30, 3)
+    dcfg = DrafterConfig.from_target(target_cfg, 3, ids, 16, 16, target_vocab_rows(smollm2_target))
+    train = tmp_path / "train"
+    train.mkdir()
+    save_file(DFlashDrafter(dcfg).engine_state_dict(), str(train / "drafter.safetensors"))
+    storage.write_json(train / "drafter_config.json", dcfg.to_dict())
+    out = tmp_path / "export"
+    assert cli_main(["export", "--drafter", str(train), "--model", str(smollm2_target), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "mask token 16 '<empty_output>'" in printed and "set_dflash_layers_to_capture" in printed
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["model_type"] == "llama"
+    assert raw["dflash_config"] == {"mask_token_id": 16, "mask_token": "<empty_output>", "target_layer_ids": ids}
+    assert raw["num_target_layers"] == 30 and raw["block_size"] == 16 and raw["num_hidden_layers"] == 3
+    assert raw["layer_types"] == ["full_attention"] * 3  # both engines: full, non-causal attention
+    # what the engines see: transformers' config object for model_type llama, every field they read present
+    parsed = AutoConfig.from_pretrained(out)
+    assert type(parsed).__name__ == "LlamaConfig"
+    missing = [k for k in ENGINE_READS if getattr(parsed, k, None) is None]
+    assert not missing, missing
+    assert (parsed.hidden_size, parsed.num_attention_heads, parsed.num_key_value_heads, parsed.head_dim) == (576, 9, 3, 64)
+    assert parsed.hidden_act == "silu"  # SGLang's DFlashMLP refuses anything else
+    assert parsed.rope_parameters["rope_theta"] == 100000.0 and parsed.rope_parameters["rope_type"] == "default"
+    assert parsed.dflash_config["target_layer_ids"] == ids and all(0 <= i < 30 for i in ids)  # SGLang's range check
+    # weights under the names both loaders map (q/k/v -> qkv_proj, gate/up -> gate_up_proj), with the q/k norms
+    # their Qwen3-style attention always has; fc takes len(ids) x hidden (SGLang checks the shape)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
+        names = set(fh.keys())
+        assert tuple(fh.get_slice("fc.weight").get_shape()) == (576, 3 * 576)
+    for i in range(3):
+        for w in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            assert f"layers.{i}.self_attn.{w}.weight" in names
+        for w in ("gate_proj", "up_proj", "down_proj"):
+            assert f"layers.{i}.mlp.{w}.weight" in names
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names and not any("embed" in n for n in names)

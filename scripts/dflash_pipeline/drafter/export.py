@@ -5,7 +5,8 @@ Writes `config.json` and `model.safetensors` into `--out` (atomically, one renam
 - config.json: the target's layer shapes (hidden size, heads, head_dim, intermediate size, rope, eps, vocab)
   with `"architectures": ["DFlashDraftModel"]`, the target's `model_type`, `num_hidden_layers` = drafter
   layers, top-level `block_size`, `num_target_layers`, and
-  `"dflash_config": {"mask_token_id": ..., "target_layer_ids": [...]}`; the layer ids are always written
+  `"dflash_config": {"mask_token_id": ..., "target_layer_ids": [...]}` (plus `mask_token`, its text, when the
+  mask is an existing token of the target's tokenizer: SGLang also resolves the mask by text); the layer ids are always written
   explicitly (an engine that guesses them loads fine and then accepts nothing).
 - model.safetensors: `layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`; no embedding and no LM
   head (the engines take the target's).
@@ -41,6 +42,14 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 _DROP_KEYS = {"architectures", "auto_map", "quantization_config", "layer_types", "text_config", "vision_config",
               "transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache",
               "rope_parameters", "rope_scaling", "partial_rotary_factor", *MROPE_KEYS}
+# What the engines' released sources say about serving a drafter for this target architecture (README: Real target)
+ENGINE_NOTES = {
+    "llama": "Llama target: vLLM loads this draft (DFlashDraftModel -> qwen3_dflash, Qwen3-style layers whatever the "
+             "model_type) and its LlamaForCausalLM captures the target layers (SupportsEagle3); SGLang loads the draft "
+             "(models/dflash.py), but serves a Llama target only where its LlamaForCausalLM has "
+             "set_dflash_layers_to_capture (SGLang main has it; an older llama.py does not, and SGLang then stops "
+             "with 'does not implement set_dflash_layers_to_capture').",
+}
 REQUIRED_WEIGHTS = ("fc.weight", "hidden_norm.weight", "norm.weight")
 # fields that identify the target a drafter was trained for (rotary_dim is the drafter's own: see rope_parameters)
 TARGET_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -167,6 +176,21 @@ def load_exported(path: str | Path, device="cpu", dtype: torch.dtype = torch.flo
     return model.to(device=device, dtype=dtype).eval()
 
 
+def mask_token_text(model_dir: str | Path, mask_token_id: int, trust_remote_code: bool = False) -> str | None:
+    """The mask token's text when it is a token of the target's tokenizer (an existing special token: SmolLM2's
+    <empty_output>), None for a spare embedding row past the tokenizer (the Qwen3 case) or without a tokenizer."""
+    from dflash_pipeline.target import load_tokenizer
+
+    try:
+        tok = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
+    except PipelineError:
+        return None
+    if not 0 <= mask_token_id < len(tok):
+        return None
+    text = tok.convert_ids_to_tokens(int(mask_token_id))
+    return text if isinstance(text, str) and text else None
+
+
 def check_same_target(dcfg: DrafterConfig, model_dir: str | Path, source: str) -> None:
     """Refuse a drafter trained for another target, naming every field that differs."""
     from dflash_pipeline.drafter.target_head import target_vocab_rows
@@ -192,6 +216,9 @@ def run(args) -> int:
     check_same_target(dcfg, args.model, str(drafter_dir))
     dtype = DTYPES[args.dtype]
     cfg = engine_config(read_config(args.model), dcfg, args.dtype)
+    mask_text = mask_token_text(args.model, dcfg.mask_token_id, args.trust_remote_code)
+    if mask_text is not None:  # SGLang resolves the mask by its text too (default "<|MASK|>"): name the real one
+        cfg["dflash_config"]["mask_token"] = mask_text
     with storage.atomic_dir(args.out) as tmp:
         save_file({k: v.to(dtype).contiguous() for k, v in sorted(state.items())}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
@@ -200,5 +227,8 @@ def run(args) -> int:
     log.info("exported %d tensors (%s) with target_layer_ids %s, mask token %d, block size %d to %s",
              len(state), args.dtype, dcfg.target_layer_ids, dcfg.mask_token_id, dcfg.block_size, args.out)
     print(f"exported DFlash drafter to {args.out}: {dcfg.num_hidden_layers} layers, target layers "
-          f"{dcfg.target_layer_ids}, block size {dcfg.block_size}, mask token {dcfg.mask_token_id}")
+          f"{dcfg.target_layer_ids}, block size {dcfg.block_size}, mask token {dcfg.mask_token_id}"
+          + (f" {mask_text!r}" if mask_text is not None else " (a spare embedding row)"))
+    if dcfg.target_model_type in ENGINE_NOTES:
+        print(ENGINE_NOTES[dcfg.target_model_type])
     return 0

@@ -64,8 +64,12 @@ def _has_chat_template(model: Path) -> bool:
 def target_problems(model_path: str) -> list[str]:
     """The target directory has what every stage loads: config, weights, tokenizer, chat template."""
     model = Path(model_path)
-    if model.suffix == ".gguf":
-        return [] if model.is_file() else [f"target.model_path {model_path}: no such GGUF file"]
+    if model.suffix == ".gguf":  # imported into a transformers directory by the target_import rule
+        if not model.is_file():
+            return [f"target.model_path {model_path}: no such GGUF file"]
+        if importlib.util.find_spec("gguf") is None:
+            return [f"target.model_path {model_path}: a GGUF target needs the `gguf` package: pip install -e '.[gguf]'"]
+        return []
     if not model.is_dir():
         return [f"target.model_path {model_path}: no such directory; set it to the model's directory (config.json, "
                 "weights, tokenizer), e.g. --config target.model_path=/models/Qwen3-8B"]

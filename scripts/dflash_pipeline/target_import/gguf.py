@@ -102,18 +102,6 @@ def load_gguf_state(path: Path, model) -> dict:
     return tensors
 
 
-def _gguf_summary(path: Path) -> dict:
-    """Architecture and tensor types, from the GGUF header (recorded, so the import says what it converted)."""
-    from collections import Counter
-
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = reader.fields["general.architecture"].contents()
-    types = Counter(t.tensor_type.name for t in reader.tensors)
-    return {"architecture": arch, "tensor_types": dict(sorted(types.items())), "tensors": len(reader.tensors)}
-
-
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") -> dict:
     """Convert `gguf_path` into the transformers directory `out_dir` (written whole, then renamed into place)."""
     import torch
@@ -127,15 +115,19 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     digest = sha256_file(path)
     config = load_gguf_config(path)
     tokenizer = load_gguf_tokenizer(path)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(load_gguf_state(path, model), strict=False)
+    with torch.device("meta"):  # no random init of weights that are overwritten at once
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(load_gguf_state(path, model), strict=False, assign=True)
     model.tie_weights()
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise PipelineError(f"{path}: the GGUF has no tensor for {leftover[:5]}")
     model = model.to(getattr(torch, dtype))
     generation = GenerationConfig.from_model_config(config)
     if tokenizer.eos_token_id is not None:
         generation.eos_token_id = tokenizer.eos_token_id
     record = {"source": str(gguf_path), "sha256": digest, "bytes": path.stat().st_size, "dtype": dtype,
-              **_gguf_summary(path), "model_type": config.model_type,
+              "model_type": config.model_type, "tensors": len(model.state_dict()),
               "parameters": sum(p.numel() for p in model.parameters()), "tokenizer_tokens": len(tokenizer),
               "seconds": None}
     with atomic_dir(out_dir) as tmp:
