@@ -178,11 +178,14 @@ def test_import_refuses_what_it_cannot_take(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # nothing half-written
 
 
-# What the engines' DFlash loaders read from the draft's config.json, from their sources (README: Real target):
-# SGLang python/sglang/srt/models/dflash.py (DFlashAttention, DFlashMLP, DFlashDraftModel) and
-# speculative/dflash_utils.py (parse_dflash_draft_config); vLLM vllm/model_executor/models/qwen3_dflash.py
-# (DFlashQwen3DecoderLayer, DFlashQwen3Model). Both parse the file with transformers' AutoConfig (model_type ->
-# LlamaConfig here) and read attributes; both build Qwen3-style layers (per-head q_norm/k_norm) for any model_type.
+# What the engines' DFlash loaders read from the draft's config.json. SGLang 0.5.23 (the wheel):
+# python/sglang/srt/models/dflash.py:199-274 (DFlashAttention: hidden_size, heads, kv heads, head_dim, attention_bias,
+# rms_norm_eps, per-head q_norm/k_norm, rope), :469-508 (DFlashMLP: intermediate_size, hidden_act silu), :671-760 (DFlashDraftModel:
+# num_hidden_layers, num_target_layers, block_size), speculative/dflash_utils.py:588 (parse_dflash_draft_config:
+# dflash_config.target_layer_ids/mask_token_id/mask_token), :390 (layer_types). vLLM
+# vllm/model_executor/models/qwen3_dflash.py (DFlashQwen3DecoderLayer, DFlashQwen3Model). Both parse the file with
+# transformers' AutoConfig (model_type -> LlamaConfig here) and read attributes; both build Qwen3-style layers
+# (per-head q_norm/k_norm) for any model_type.
 ENGINE_READS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                 "hidden_act", "rms_norm_eps", "attention_bias", "max_position_embeddings", "num_hidden_layers",
                 "layer_types", "rope_parameters", "vocab_size", "block_size", "num_target_layers", "dflash_config")

@@ -44,11 +44,10 @@ _DROP_KEYS = {"architectures", "auto_map", "quantization_config", "layer_types",
               "rope_parameters", "rope_scaling", "partial_rotary_factor", *MROPE_KEYS}
 # What the engines' released sources say about serving a drafter for this target architecture (README: Real target)
 ENGINE_NOTES = {
-    "llama": "Llama target: vLLM loads this draft (DFlashDraftModel -> qwen3_dflash, Qwen3-style layers whatever the "
-             "model_type) and its LlamaForCausalLM captures the target layers (SupportsEagle3); SGLang loads the draft "
-             "(models/dflash.py), but serves a Llama target only where its LlamaForCausalLM has "
-             "set_dflash_layers_to_capture (SGLang main has it; an older llama.py does not, and SGLang then stops "
-             "with 'does not implement set_dflash_layers_to_capture').",
+    "llama": "Llama target: SGLang 0.5.23 loads this draft (models/dflash.py, any model_type) and captures a Llama "
+             "target's layers (LlamaForCausalLM.set_dflash_layers_to_capture); vLLM maps DFlashDraftModel to "
+             "qwen3_dflash (Qwen3-style layers whatever the model_type) and its LlamaForCausalLM captures them "
+             "(SupportsEagle3). Neither engine was run here.",
 }
 REQUIRED_WEIGHTS = ("fc.weight", "hidden_norm.weight", "norm.weight")
 # fields that identify the target a drafter was trained for (rotary_dim is the drafter's own: see rope_parameters)
