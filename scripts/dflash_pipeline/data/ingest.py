@@ -20,6 +20,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_pipeline import package_paths
 from dflash_pipeline.data.conversations import SAMPLE_SCHEMA, RecordRejected, normalize_record, sample_id
 from dflash_pipeline.data.eval_prompts import excluded_prompts, first_user_turn, normalise
 from dflash_pipeline.data.raw_records import RawRecord, ReadResult, iter_raw_records, safe_text
@@ -220,8 +221,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     try:
-        stats = ingest_file(args.input, args.out, args.stats, args.quarantine, args.name, args.on_corrupt,
-                            args.max_record_bytes, args.max_records, args.exclude_prompts)
+        stats = ingest_file(package_paths.resolve(args.input), args.out, args.stats, args.quarantine,
+                            args.name or args.input, args.on_corrupt, args.max_record_bytes, args.max_records,
+                            [package_paths.resolve(p) for p in args.exclude_prompts])
     except FileNotFoundError as exc:
         raise PipelineError(f"{args.input}: input file not found ({exc})") from exc
     print(json.dumps(stats, indent=2))
