@@ -275,7 +275,7 @@ GEN_SGLANG = GEN.get("sglang") or {}
 def generation_backend_settings():
     """The backend's own settings for `generate` and `calibrate` (hf in-process, running servers, or sglang)."""
     if GEN["backend"] == "hf":
-        hf_keys = ("batch_size", "device", "dtype", "threads", "context_length")
+        hf_keys = ("batch_size", "device", "dtype", "threads", "context_length", "max_batch_tokens", "cache")
         return {k: GEN_HF[k] for k in hf_keys if GEN_HF.get(k) not in (None, "")}
     if GEN["backend"] == "servers":
         if not GEN["servers"]:

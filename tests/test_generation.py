@@ -688,3 +688,61 @@ def test_hf_sampling_is_seeded_per_sample_and_samples_the_right_distribution(tin
     chi2 = (((observed - expected) ** 2) / expected).sum().item()
     df = int(keep.sum()) - 1
     assert chi2 < df + 4.5 * (2 * df) ** 0.5  # far beyond the 99.9% quantile of chi-square(df) would fail
+
+
+def test_hf_length_sorted_batches_bound_the_cache_and_keep_every_request():
+    from dflash_pipeline.generation.engines import length_sorted_batches
+
+    items = [([0] * n, b, f"r{i}") for i, (n, b) in enumerate([(50, 10), (5, 10), (300, 20), (20, 40), (7, 10)])]
+    batches = length_sorted_batches(items, 200)
+    assert sorted(it[2] for b in batches for it in b) == sorted(it[2] for it in items)  # each exactly once
+    for b in batches:
+        lengths = [len(it[0]) for it in b]
+        assert lengths == sorted(lengths)
+        assert len(b) == 1 or len(b) * (max(lengths) + max(it[1] for it in b)) <= 200
+    assert [len(it[0]) for it in batches[0]] == [5, 7, 20]  # 3 x (20 + 40) = 180; a fourth row would not fit
+    assert length_sorted_batches(items, None) == [sorted(items, key=lambda it: len(it[0]))]
+
+
+def test_counter_uniform_is_a_function_of_seed_step_and_token():
+    """The hf sampling noise: a row's uniforms depend on its seed and step only (not on the rows beside it),
+    lie in (0, 1), differ across seeds and steps, and look uniform."""
+    import torch
+
+    from dflash_pipeline.generation.engines import counter_uniform
+
+    alone = counter_uniform(torch.tensor([7]), 3, 5000)
+    beside = counter_uniform(torch.tensor([1, 7, 2 ** 62]), 3, 5000)
+    assert torch.equal(alone[0], beside[1])
+    assert not torch.equal(beside[0], beside[1]) and not torch.equal(alone, counter_uniform(torch.tensor([7]), 4, 5000))
+    u = counter_uniform(torch.arange(64), 0, 4096).flatten()
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    ks = (u.sort().values - torch.linspace(0, 1, u.numel(), dtype=torch.float64)).abs().max()
+    assert float(ks) < 1.95 / u.numel() ** 0.5 * 1.5  # Kolmogorov-Smirnov, far inside a 0.1% test
+
+
+def test_hf_wide_length_sorted_batches_answer_as_one_row_at_a_time(tiny_target):
+    """max_batch_tokens cuts the waiting requests into length-sorted batches; a batch runs to its largest budget
+    and each row is cut to its own: greedy answers equal those of one request at a time."""
+    import asyncio
+
+    from dflash_pipeline.generation.client import SamplingParams
+    from dflash_pipeline.generation.engines import HFEngine
+
+    prompts = [[{"role": "user", "content": "why " * (1 + 7 * i % 11)}] for i in range(7)]
+    budgets = [3, 9, 5, 9, 2, 7, 4]
+    params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=0)
+
+    async def run(**kw):
+        engine = HFEngine(str(tiny_target), threads=1, max_wait_s=0.2, **kw)
+        await engine.start()
+        try:
+            return await asyncio.gather(*(engine.complete(m, params, b) for m, b in zip(prompts, budgets)))
+        finally:
+            await engine.close()
+
+    wide = asyncio.run(run(batch_size=7, max_batch_tokens=160))
+    single = asyncio.run(run(batch_size=1))
+    assert [r.output_ids for r in wide] == [r.output_ids for r in single]
+    assert all(r.completion_tokens <= b for r, b in zip(wide, budgets))
+    assert [r.finish_reason for r in wide] == [r.finish_reason for r in single]

@@ -431,12 +431,43 @@ def chat_renderer(model_dir: str, trust_remote_code: bool = False):
 # --------------------------------------------------------------------------------------------------------
 # hf: in-process transformers, batched
 # --------------------------------------------------------------------------------------------------------
+_MASK64 = (1 << 64) - 1
+_SPLITMIX = [c - (1 << 64) if c >= 1 << 63 else c for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                                              0x94D049BB133111EB)]  # as int64
+
+
+def _shift_right(x, bits: int):
+    """Logical right shift of int64 lanes (torch shifts signed values arithmetically)."""
+    import torch
+
+    return torch.bitwise_and(torch.bitwise_right_shift(x, bits), (1 << (64 - bits)) - 1)
+
+
+def counter_uniform(seeds, step: int, vocab: int):
+    """Uniforms in (0, 1), [rows, vocab] float64, from splitmix64 of (row seed, step, token id): a pure function
+    of its counters, computed on the seeds' device in a few elementwise kernels, whatever the batch around it
+    (int64 products wrap, as splitmix64's unsigned ones do)."""
+    import torch
+
+    golden, mix1, mix2 = _SPLITMIX
+    offset = ((step + 1) * mix2) & _MASK64
+    offset -= (1 << 64) if offset >= 1 << 63 else 0
+    token = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = (seeds.view(-1, 1) * golden + offset) ^ (token.view(1, -1) * golden)
+    x = (x ^ _shift_right(x, 30)) * mix1
+    x = (x ^ _shift_right(x, 27)) * mix2
+    x = x ^ _shift_right(x, 31)
+    return (_shift_right(x, 11).double() + 0.5) * 2.0 ** -53
+
+
 class RowSeededSampling:
     """Sampling for `generate(do_sample=False)` with one random stream per row: temperature, top-k and top-p
-    warp the logits, then Gumbel noise from the row's own generator makes the greedy pick an exact sample
-    (Gumbel-max). A sample's tokens depend on its seed only, not on the batch it happened to be in."""
+    warp the logits, then Gumbel noise from the row's own counter-based stream (seed, step, token) makes the
+    greedy pick an exact sample (Gumbel-max). A sample's tokens depend on its seed only, not on the batch it
+    happened to be in; the noise is drawn where the logits are (a wide GPU batch draws it in a few kernels, not
+    rows x vocab CPU draws a step)."""
 
-    def __init__(self, seeds: list[int], temperature: float, top_k: int, top_p: float):
+    def __init__(self, seeds: list[int], temperature: float, top_k: int, top_p: float, prompt_width: int):
         import torch
         from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -445,7 +476,8 @@ class RowSeededSampling:
             self.warpers.append(TopKLogitsWarper(top_k))
         if top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(top_p))
-        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.seeds = torch.tensor([int(s) & ((1 << 63) - 1) for s in seeds], dtype=torch.int64)
+        self.prompt_width = prompt_width  # the step is the count of tokens generated so far
 
     def __call__(self, input_ids, scores):
         import torch
@@ -453,21 +485,48 @@ class RowSeededSampling:
         for warp in self.warpers:
             scores = warp(input_ids, scores)
         logp = torch.log_softmax(scores.float(), dim=-1)
-        noise = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators])
-        exponential = -torch.log(noise.clamp_min(1e-20))  # > 0
-        gumbel = -torch.log(exponential.clamp_min(1e-20))
-        return logp + gumbel.to(logp.device)
+        self.seeds = self.seeds.to(scores.device)
+        u = counter_uniform(self.seeds, int(input_ids.shape[1]) - self.prompt_width, scores.shape[-1])
+        gumbel = -torch.log(-torch.log(u))
+        return logp + gumbel.to(logp.dtype)
+
+
+def length_sorted_batches(items: list, max_tokens: int | None) -> list[list]:
+    """Requests (prompt ids first) sorted by prompt length and cut so that rows x (longest prompt + budget) stays
+    within `max_tokens` (the KV cache and the prefill's padding); None: one batch."""
+    items = sorted(items, key=lambda it: len(it[0]))
+    if not max_tokens:
+        return [items] if items else []
+    batches, current = [], []
+    for it in items:
+        if current and (len(current) + 1) * (len(it[0]) + max(it[1], max(c[1] for c in current))) > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(it)
+    return batches + ([current] if current else [])
 
 
 class HFEngine:
     """transformers in-process: concurrent requests from the client's workers are batched into `generate`
-    calls run in a thread, so the CPU demo uses exactly the client code that drives SGLang servers."""
+    calls run in a thread, so the CPU demo uses exactly the client code that drives SGLang servers.
+
+    A small target's decode step costs about the same for 80 rows as for 500 on a GPU (kernel launches, not
+    arithmetic), so the rate grows with the batch: requests waiting together are sorted by prompt length and
+    cut into batches of at most `max_batch_tokens` (rows x (longest prompt + budget), the KV cache) so that a
+    wide batch pads little. Each batch runs to its longest budget; rows with a smaller one are cut to theirs
+    (causal: the tokens up to a row's budget do not depend on what follows)."""
 
     def __init__(self, model_path: str, *, batch_size: int = 32, device: str = "cpu", dtype: str = "auto",
                  context_length: int | None = None, trust_remote_code: bool = False, max_wait_s: float = 0.02,
-                 threads: int | None = None):
+                 threads: int | None = None, max_batch_tokens: int | None = None, cache: str = "dynamic"):
+        if cache not in ("dynamic", "static"):
+            raise PipelineError(f"hf backend: cache must be dynamic or static, not {cache!r}")
         self.model_path = str(model_path)
         self.batch_size = batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.cache = cache  # static: transformers' static KV cache (its generate compiles the decode step on a GPU)
+        self.generated_tokens = 0
+        self.generate_seconds = 0.0
         self.device = device
         self.dtype = dtype
         self.context_length = context_length
@@ -558,18 +617,17 @@ class HFEngine:
         stop = False
         while not stop:
             batch, stop = await self._next_batch()
-            groups: dict = {}  # one generate call per (budget, sampling) group; seeds may differ per row
+            groups: dict = {}  # one generate call per sampling group (and length-sorted batch); seeds may differ
             for item in batch:
-                key = (item[1], item[2].temperature, item[2].top_p, item[2].top_k, item[2].enable_thinking)
+                key = (item[2].temperature, item[2].top_p, item[2].top_k, item[2].enable_thinking)
                 groups.setdefault(key, []).append(item)
-            for (budget, *_), items in groups.items():
-                live = [it for it in items if not it[3].done()]
-                if live:
-                    await self._run_group(live, budget)
+            for items in groups.values():
+                for part in length_sorted_batches([it for it in items if not it[3].done()], self.max_batch_tokens):
+                    await self._run_group(part)
 
-    async def _run_group(self, live: list, budget: int) -> None:
+    async def _run_group(self, live: list) -> None:
         try:
-            results = await asyncio.to_thread(self._generate, [it[0] for it in live], budget,
+            results = await asyncio.to_thread(self._generate, [it[0] for it in live], [it[1] for it in live],
                                               [it[2] for it in live])
         except Exception as exc:  # a model failure fails these requests, not the loop
             for it in live:
@@ -580,9 +638,11 @@ class HFEngine:
             if not it[3].done():
                 it[3].set_result(res)
 
-    def _generate(self, prompts: list[list[int]], budget: int, params: list) -> list[Completion]:
+    def _generate(self, prompts: list[list[int]], budgets: list[int], params: list) -> list[Completion]:
         import torch
 
+        started = time.perf_counter()
+        budget = max(budgets)
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -592,14 +652,23 @@ class HFEngine:
         first = params[0]
         kwargs = dict(max_new_tokens=budget, pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
                       do_sample=False, temperature=None, top_p=None, top_k=None)
+        if self.cache == "static":
+            kwargs["cache_implementation"] = "static"
         if first.temperature > 0:
             kwargs["logits_processor"] = [RowSeededSampling([p.seed or 0 for p in params], first.temperature,
-                                                            first.top_k, first.top_p)]
+                                                            first.top_k, first.top_p, width)]
         with torch.inference_mode():
             out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
                                       **kwargs)
-        return [self._completion(tokens, prompt, first.enable_thinking)
-                for tokens, prompt in zip(out[:, width:].tolist(), prompts)]
+        results = [self._completion(tokens[:row_budget], prompt, first.enable_thinking)
+                   for tokens, prompt, row_budget in zip(out[:, width:].tolist(), prompts, budgets)]
+        seconds = time.perf_counter() - started
+        new = sum(r.completion_tokens for r in results)
+        self.generated_tokens += new
+        self.generate_seconds += seconds
+        LOG.info("hf generate: %d rows, prompts <= %d tokens, %d steps, %d new tokens in %.1f s (%.0f tok/s)",
+                 len(prompts), width, out.shape[1] - width, new, seconds, new / max(seconds, 1e-9))
+        return results
 
     def _completion(self, tokens: list[int], prompt: list[int], enable_thinking: bool) -> Completion:
         finish = "length"

@@ -76,6 +76,10 @@ def _add_backend_arguments(be) -> None:
     be.add_argument("--batch-size", type=int, default=32, help="hf backend: generate batch size")
     be.add_argument("--device", default="cpu", help="hf backend: torch device")
     be.add_argument("--threads", type=int, default=0, help="hf backend: torch CPU threads (0: torch's default)")
+    be.add_argument("--max-batch-tokens", type=int, default=0,
+                    help="hf backend: rows x (longest prompt + budget) per generate call (0: no limit)")
+    be.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
+                    help="hf backend: transformers' KV cache (static: its generate compiles the decode step on a GPU)")
     be.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     be.add_argument("--context-length", type=int,
                     help="prompt + answer limit (default: the servers' max_model_len, or the model's config)")
@@ -293,7 +297,8 @@ def make_engine(args, urls: list[str] | None = None):
             raise PipelineError("--backend hf needs --model")
         return HFEngine(args.model, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                         context_length=args.context_length, trust_remote_code=args.trust_remote_code,
-                        threads=args.threads or None)
+                        threads=args.threads or None, max_batch_tokens=args.max_batch_tokens or None,
+                        cache=args.cache)
     render = None
     if args.api == "generate":
         if not args.model:

@@ -25,7 +25,7 @@ import numpy as np
 from dflash_pipeline import storage, target
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.hidden_states.batching import Batch, copy_to_host, to_host_layout, token_budget_batches
-from dflash_pipeline.hidden_states.capture import LayerCapture
+from dflash_pipeline.hidden_states.capture import LayerCapture, find_decoder_layers
 from dflash_pipeline.hidden_states.host_pipeline import HostPipeline
 from dflash_pipeline.hidden_states.layout import CODECS, STORED_DTYPES
 from dflash_pipeline.hidden_states.writer import HiddenStateShardWriter
@@ -55,7 +55,7 @@ class ExtractSettings:
     encode_threads: int = 8
     queue_batches: int = 2
     skip_unsupervised: bool = True      # samples without a loss-masked token teach the drafter nothing
-    compile: bool | str = "auto"        # torch.compile the layers; auto: on a GPU
+    compile: bool | str = "auto"        # torch.compile the layers; auto: on a GPU when the shard amortises it
     pad_multiple: int = 1               # pad batch lengths to a multiple (few shapes for compiled layers)
 
 
@@ -117,15 +117,36 @@ def check_token_range(path: str, tokens: TokenShard, rows: int) -> None:
 # ------------------------------------------------------------------------------------------ phases
 
 
-def _prepare_capture(model, settings: ExtractSettings, device: str) -> tuple[LayerCapture, int]:
-    """Hooks on the wanted layers (compiled on a GPU under compile=auto); returns them and the pad multiple."""
+# compile=auto compiles when tokens x layer parameters reach this (benchmarks/extract_throughput.py --compile-auto,
+# README: Extraction): compilation costs tens of seconds whatever the shard, and pays back only when the eager
+# forward would run long enough for its saving (~1.3x on a Qwen3-8B shape) to exceed that
+COMPILE_MIN_TOKEN_PARAMS = 2e16
+
+
+def layer_parameters(model) -> int:
+    """Parameters of the decoder layers (the compiled part; embeddings and head excluded)."""
+    return sum(p.numel() for layer in find_decoder_layers(model) for p in layer.parameters())
+
+
+def should_compile(setting, device: str, tokens: int, params: int) -> bool:
+    """compile=auto: on a GPU, for a shard whose tokens x layer parameters amortise the compilation."""
+    if setting != "auto":
+        return bool(setting)
+    return device.startswith("cuda") and tokens * params >= COMPILE_MIN_TOKEN_PARAMS
+
+
+def _layer_ids(model, settings: ExtractSettings) -> list[int]:
     num_layers = int(target.text_config(model.config).num_hidden_layers)
     if settings.layer_ids:
-        layer_ids = validate_target_layer_ids(settings.layer_ids, num_layers)
-    else:
-        layer_ids = resolve_target_layer_ids(settings.drafter_config or {}, num_layers)
-    capture = LayerCapture(model, layer_ids)
-    compile_layers = device.startswith("cuda") if settings.compile == "auto" else bool(settings.compile)
+        return validate_target_layer_ids(settings.layer_ids, num_layers)
+    return resolve_target_layer_ids(settings.drafter_config or {}, num_layers)
+
+
+def _prepare_capture(model, settings: ExtractSettings, device: str, tokens: int) -> tuple[LayerCapture, int]:
+    """Hooks on the wanted layers (compiled when `should_compile`); returns them and the pad multiple."""
+    capture = LayerCapture(model, _layer_ids(model, settings))
+    compile_layers = should_compile(settings.compile, device, tokens, layer_parameters(model))
+    log.info("extract: %d tokens to do, %s", tokens, "compiled layers" if compile_layers else "eager layers")
     if compile_layers:
         capture.compile()
         return capture, max(settings.pad_multiple, 64)
@@ -236,13 +257,15 @@ def extract_shard(tokens_path: str, model_path: str, out_path: str, settings: Ex
         model = target.load_model(model_path, device, settings.compute_dtype, attn_implementation=
                                   settings.attn_implementation, trust_remote_code=settings.trust_remote_code)
     check_token_range(tokens_path, tokens, model.get_input_embeddings().num_embeddings)  # before any file is opened
-    capture, pad_multiple = _prepare_capture(model, settings, device)
+    capture = None
     try:
-        meta = _shard_metadata(model, model_path, tokens_path, tokens, capture.ids)
+        meta = _shard_metadata(model, model_path, tokens_path, tokens, _layer_ids(model, settings))
         writer = HiddenStateShardWriter(out_path, meta, codec=settings.codec, level=settings.level,
                                         dtype=settings.dtype, resume=True)
         done = writer.completed_ids
         todo, skipped = _samples_to_do(tokens, settings, done)
+        capture, pad_multiple = _prepare_capture(model, settings, device,
+                                                 sum(len(tokens.input_ids[i]) for i in todo))
         if done:
             log.info("resuming %s: %d samples already written, %d to go", out_path, len(done), len(todo))
         lengths = [len(tokens.input_ids[i]) for i in todo]
@@ -259,7 +282,8 @@ def extract_shard(tokens_path: str, model_path: str, out_path: str, settings: Ex
             raise
         writer.close()
     finally:
-        capture.remove()
+        if capture is not None:
+            capture.remove()
     stats = _stats(out_path, host, padded, len(done), skipped, writer.metadata, settings, device, t_start, t_gpu)
     log.info("%s: %d samples, %d tokens, %.1f tok/s, %.3f x bf16, padding %.1f%%", out_path, stats["samples"],
              stats["tokens"], stats["tokens_per_s"] or 0, stats["compression_vs_bf16"] or 0,
@@ -291,7 +315,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flush-tokens", type=int, default=262144, help="make progress durable every N tokens")
     p.add_argument("--encode-threads", type=int, default=8)
     p.add_argument("--compile", choices=["auto", "true", "false"], default="auto",
-                   help="torch.compile the target's layers; auto: on a GPU (~1.3x faster forward, ~15-30 s to compile)")
+                   help="torch.compile the target's layers; auto: on a GPU when the shard's tokens x layer parameters "
+                        "amortise the compilation (~1.3x faster forward, ~15-30 s to compile)")
 
 
 def settings_from_args(args) -> ExtractSettings:

