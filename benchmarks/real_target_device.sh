@@ -39,7 +39,8 @@ sbs() {  # one stage, stopped (SIGINT, then KILL) before the call's budget runs 
 }
 sbs target  # copies the carried GGUF half aside; with both halves: join, sha256, convert
 case "$CALL" in
-  1) timeout -s INT "$(left)" python3 "$REPO/benchmarks/extract_compile_auto.py" --shape smollm2-135m \
+  1) python3 -c "import snakemake, specforge, speculators, dflash, gguf, zstandard, datasets; print('imports ok')"
+     timeout -s INT "$(left)" python3 "$REPO/benchmarks/extract_compile_auto.py" --shape smollm2-135m \
        --samples 640,6000 --json "$OUT/extract_compile_auto.json" ;;
   2) sbs workflow --until target/config.json && sbs gen-bench && sbs workflow --until drafter && sbs peer-data ;;
   3) sbs specforge; sbs speculators; sbs evaluate; sbs compat; sbs workflow --until all; sbs table ;;

@@ -256,6 +256,7 @@ def workflow_overrides(a) -> dict:
         "extract": {"gpus": gpu, "device": a.device, "encode_threads": 8 if gpu else 2},
         "train": {"gpus": gpu, "epochs": SCALE["epochs"], "checkpoint_every": 100000, "log_every": 5 if gpu else 1},
         "evaluate": {"gpus": gpu, "max_new_tokens": SCALE["eval_max_new_tokens"] // 2,
+                     "prompts_file": str(w / "data" / "mt_bench_question.jsonl"),  # also what ingest decontaminates
                      "num_prompts": 16 if gpu else 2, "min_tau_gain": 0.0 if not gpu else 0.1},
     }
 

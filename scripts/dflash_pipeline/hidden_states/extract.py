@@ -117,7 +117,7 @@ def check_token_range(path: str, tokens: TokenShard, rows: int) -> None:
 # ------------------------------------------------------------------------------------------ phases
 
 
-# compile=auto compiles when tokens x layer parameters reach this (benchmarks/extract_throughput.py --compile-auto,
+# compile=auto compiles when tokens x layer parameters reach this (benchmarks/extract_compile_auto.py,
 # README: Extraction): compilation costs tens of seconds whatever the shard, and pays back only when the eager
 # forward would run long enough for its saving (~1.3x on a Qwen3-8B shape) to exceed that
 COMPILE_MIN_TOKEN_PARAMS = 2e16
