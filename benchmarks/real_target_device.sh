@@ -5,6 +5,7 @@
 #   bash .device/realbench/repo/benchmarks/real_target_device.sh 1   # wheels, GGUF half A; extract compile bench
 #   bash .device/realbench/repo/benchmarks/real_target_device.sh 2   # half B, target, hf rates, workflow, peer data
 #   bash .device/realbench/repo/benchmarks/real_target_device.sh 3   # peers' training, evaluation, compat, table
+#   (3 again, or 4: what the last call left; the workflow's own evaluate and gate last)
 #
 # State lives in $W (outside the working tree) and survives while the machine stays warm (30 s after a call):
 # issue the next call at once. Every stage skips what it finished; a cold machine redoes the chain from call 1.
@@ -43,7 +44,10 @@ case "$CALL" in
      timeout -s INT "$(left)" python3 "$REPO/benchmarks/extract_compile_auto.py" --shape smollm2-135m \
        --samples 640,6000 --json "$OUT/extract_compile_auto.json" ;;
   2) sbs workflow --until target/config.json && sbs gen-bench && sbs workflow --until drafter && sbs peer-data ;;
-  3) sbs specforge; sbs speculators; sbs evaluate; sbs compat; sbs workflow --until all; sbs table ;;
+  3) sbs workflow --until drafter && sbs peer-data; sbs specforge; sbs speculators; sbs evaluate; sbs compat; sbs table
+     sbs workflow --until all ;;
+  4) sbs workflow --until drafter && sbs peer-data; sbs specforge; sbs speculators; sbs evaluate; sbs compat; sbs table
+     sbs workflow --until all ;;
 esac
 rc=$?
 du -sh "$W"/* 2>/dev/null | sort -h | tail -6
