@@ -434,11 +434,12 @@ def stage_peer_data(a) -> None:
 
 
 def draft_config(w: Path, r: dict) -> dict:
-    """Our drafter's config in the DFlashDraftModel layout (z-lab / SpecForge): our export's config.json."""
+    """Our drafter's config in the DFlashDraftModel layout (z-lab / SpecForge): our export's config.json, labelled
+    qwen3 (SpecForge builds its DFlash layers from a Qwen3 config; our export names the target's model_type)."""
     cfg = read_json(w / "wf" / "results" / "drafter" / "config.json")
     if cfg is None:
         raise SystemExit("no exported drafter yet: run the workflow stage first")
-    return cfg
+    return dict(cfg, model_type="qwen3")
 
 
 def peer_env() -> dict:
