@@ -20,7 +20,8 @@ import time
 import numpy as np
 import torch
 
-from dflash_pipeline.hidden_states.extract import ExtractSettings, extract_shard, layer_parameters, should_compile
+from dflash_pipeline.hidden_states.capture import find_decoder_layers
+from dflash_pipeline.hidden_states.extract import COMPILE_MIN_TOKENS, ExtractSettings, extract_shard, should_compile
 
 SHAPES = {  # transformers config kwargs; the 135M is SmolLM2-135M-Instruct's (issue 17's real target)
     "smollm2-135m": ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -88,7 +89,8 @@ def main():
     args = ap.parse_args()
     shape, device = ("tiny", "cpu") if args.tiny else (args.shape, "cuda")
     sizes = [16, 32] if args.tiny else [int(x) for x in args.samples.split(",")]
-    params = layer_parameters(build(shape, "cpu" if args.tiny else "meta"))
+    model = build(shape, "cpu" if args.tiny else "meta")
+    params = sum(p.numel() for layer in find_decoder_layers(model) for p in layer.parameters())
     n_layers = SHAPES[shape][1]["num_hidden_layers"]
     layer_ids = sorted({1, n_layers // 2, n_layers - 3})
     rows = []
@@ -98,12 +100,11 @@ def main():
             tokens = write_shard(shard, n, SHAPES[shape][1]["vocab_size"], 2048)
             eager = run_case(shape, device, shard, tokens, False, tmp, layer_ids)
             compiled = run_case(shape, device, shard, tokens, True, tmp, layer_ids) if not args.tiny else None
-            auto = should_compile("auto", "cuda", tokens, params)
+            auto = should_compile("auto", "cuda", tokens)
             faster = compiled is not None and compiled["wall_s"] < eager["wall_s"]
             rows.append({"samples": n, "tokens": tokens, "eager": eager, "compiled": compiled, "auto_compiles": auto,
                          "auto_right": (auto == faster) if compiled else None})
-    print(f"\nshape {shape}: {params / 1e6:.0f}M layer parameters; auto compiles at tokens x params >= "
-          f"{__import__('dflash_pipeline.hidden_states.extract', fromlist=['x']).COMPILE_MIN_TOKEN_PARAMS:.1e}")
+    print(f"\nshape {shape}: {params / 1e6:.0f}M layer parameters; auto compiles a shard of >= {COMPILE_MIN_TOKENS:,} tokens")
     print(f"{'samples':>8s} {'tokens':>10s} {'eager s':>8s} {'tok/s':>9s} {'compiled s':>10s} {'tok/s':>9s} "
           f"{'auto':>8s} {'right':>6s}")
     for r in rows:

@@ -581,6 +581,8 @@ def stage_evaluate(a) -> None:
     w, out = Path(a.work), Path(a.out)
     result_path = w / "evaluate.json"
     results = read_json(result_path, {}) or {}
+    if not (w / "wf" / "results" / "drafter" / "config.json").exists():  # the plain pass alone costs minutes
+        raise SystemExit("evaluate: no exported drafter yet (run the workflow stage first)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = target_dir(w)
     target = load_model(str(model_dir), str(device), "auto")

@@ -274,20 +274,14 @@ def test_bad_inputs_are_one_line_errors_before_the_target_loads(tmp_path, capsys
     assert "no-model" in capsys.readouterr().err
 
 
-def test_compile_auto_compiles_only_what_amortises_it(tiny_target):
-    """compile=auto: never on CPU; on a GPU only when tokens x layer parameters reach the measured break-even
-    (the 135M target's 640-sequence shard ran 4x slower compiled); true/false are obeyed as given."""
-    from dflash_pipeline.hidden_states.extract import COMPILE_MIN_TOKEN_PARAMS, layer_parameters, should_compile
+def test_compile_auto_compiles_only_what_amortises_it():
+    """compile=auto: never on CPU; on a GPU only for a shard with enough tokens to amortise the compilation (a
+    640-sequence shard of the 135M target, 337K tokens, ran 2.8x slower compiled on the H200; 3.2M, 1.3x slower);
+    true/false are obeyed as given."""
+    from dflash_pipeline.hidden_states.extract import COMPILE_MIN_TOKENS, should_compile
 
-    model = load_model(str(tiny_target), "cpu", "float32")
-    params = layer_parameters(model)
-    layers = LayerCapture(model, [0]).layers
-    assert params == sum(p.numel() for layer in layers for p in layer.parameters())
-    assert params < sum(p.numel() for p in model.parameters())  # embeddings and head are not compiled
-    enough = int(COMPILE_MIN_TOKEN_PARAMS // params) + 1
-    assert not should_compile("auto", "cpu", 10 ** 12, params)
-    assert not should_compile("auto", "cuda", enough - 2, params)
-    assert should_compile("auto", "cuda:1", enough, params)
-    small_target_shard = 640 * 450  # the 135M target (106M layer parameters), 640 sequences: eager won
-    assert not should_compile("auto", "cuda", small_target_shard, 106_000_000)
-    assert should_compile(True, "cpu", 1, params) and not should_compile(False, "cuda", 10 ** 12, params)
+    assert not should_compile("auto", "cpu", 10 ** 12)
+    assert not should_compile("auto", "cuda", 336_707) and not should_compile("auto", "cuda", 3_202_759)
+    assert not should_compile("auto", "cuda", COMPILE_MIN_TOKENS - 1)
+    assert should_compile("auto", "cuda:1", COMPILE_MIN_TOKENS)
+    assert should_compile(True, "cpu", 1) and not should_compile(False, "cuda", 10 ** 12)

@@ -25,7 +25,7 @@ import numpy as np
 from dflash_pipeline import storage, target
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.hidden_states.batching import Batch, copy_to_host, to_host_layout, token_budget_batches
-from dflash_pipeline.hidden_states.capture import LayerCapture, find_decoder_layers
+from dflash_pipeline.hidden_states.capture import LayerCapture
 from dflash_pipeline.hidden_states.host_pipeline import HostPipeline
 from dflash_pipeline.hidden_states.layout import CODECS, STORED_DTYPES
 from dflash_pipeline.hidden_states.writer import HiddenStateShardWriter
@@ -117,22 +117,18 @@ def check_token_range(path: str, tokens: TokenShard, rows: int) -> None:
 # ------------------------------------------------------------------------------------------ phases
 
 
-# compile=auto compiles when tokens x layer parameters reach this (benchmarks/extract_compile_auto.py,
-# README: Extraction): compilation costs tens of seconds whatever the shard, and pays back only when the eager
-# forward would run long enough for its saving (~1.3x on a Qwen3-8B shape) to exceed that
-COMPILE_MIN_TOKEN_PARAMS = 2e16
+# compile=auto compiles a shard of at least this many tokens (benchmarks/extract_compile_auto.py, docs/extraction.md):
+# compilation costs seconds to tens of seconds whatever the shard; it paid back from ~5.2M tokens on the 135M
+# SmolLM2 shape (H200: eager 494K tok/s launch-bound, compiled ~2.4M tok/s, +8 s to compile) and ~2.4M on the
+# Qwen3-8B shape (1.3x, ~25 s); a 640-sequence shard of the 135M ran 2.8x slower compiled
+COMPILE_MIN_TOKENS = 5_000_000
 
 
-def layer_parameters(model) -> int:
-    """Parameters of the decoder layers (the compiled part; embeddings and head excluded)."""
-    return sum(p.numel() for layer in find_decoder_layers(model) for p in layer.parameters())
-
-
-def should_compile(setting, device: str, tokens: int, params: int) -> bool:
-    """compile=auto: on a GPU, for a shard whose tokens x layer parameters amortise the compilation."""
+def should_compile(setting, device: str, tokens: int) -> bool:
+    """compile=auto: on a GPU, for a shard with enough tokens to amortise the compilation."""
     if setting != "auto":
         return bool(setting)
-    return device.startswith("cuda") and tokens * params >= COMPILE_MIN_TOKEN_PARAMS
+    return device.startswith("cuda") and tokens >= COMPILE_MIN_TOKENS
 
 
 def _layer_ids(model, settings: ExtractSettings) -> list[int]:
@@ -145,7 +141,7 @@ def _layer_ids(model, settings: ExtractSettings) -> list[int]:
 def _prepare_capture(model, settings: ExtractSettings, device: str, tokens: int) -> tuple[LayerCapture, int]:
     """Hooks on the wanted layers (compiled when `should_compile`); returns them and the pad multiple."""
     capture = LayerCapture(model, _layer_ids(model, settings))
-    compile_layers = should_compile(settings.compile, device, tokens, layer_parameters(model))
+    compile_layers = should_compile(settings.compile, device, tokens)
     log.info("extract: %d tokens to do, %s", tokens, "compiled layers" if compile_layers else "eager layers")
     if compile_layers:
         capture.compile()
