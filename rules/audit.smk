@@ -23,7 +23,8 @@ rule audit:
         "--mode {params.mode} --dataset {wildcards.dataset} --out {output.report:q} --html {output.html:q} > {log:q} 2>&1"
 
 
-rule gate:
+# a checkpoint: per-shard jobs wait for its verdict without taking its file (rules/common.smk, after())
+checkpoint gate:
     input:
         os.path.join(R, "audit/{dataset}/report.json"),
     output:

@@ -4,10 +4,12 @@
 # job when the projection exceeds generate.max_wall_hours / generate.max_gpu_hours.
 #
 # Cached: the calibration reruns only when what decides the rate changes (its params: backend settings,
-# target, sampling) or the sample does; new token files, limits or progress settings do not recalibrate.
+# target, sampling) or the prompts of the sample do; new shards, limits or progress settings do not recalibrate.
 
 
-rule calibration_sample:
+# a checkpoint: the calibration asks for it and takes the sample's identity (which prompts) as its param, so
+# a redraw of the same prompts recalibrates nothing
+checkpoint calibration_sample:
     input:
         tokens=calibration_token_files,
         shards=calibration_shard_files,
@@ -28,7 +30,7 @@ rule calibration_sample:
 
 rule calibrate:
     input:
-        sample=os.path.join(R, "calibration/sample.parquet"),
+        sample=calibration_sample_input,
         model=target_model_files(),
         backend=backend_ready,  # checked before any job: the backend is installed (nothing to wait for)
     output:
@@ -44,15 +46,18 @@ rule calibrate:
     params:
         model=lambda wc, input: target_model_dir(input.model),
         settings=calibration_settings(),
+        sample=calibration_sample_identity,
         server_logs=log("calibrate.servers").removesuffix(".log"),
     shell:
         # the measured figures go to the terminal as well
         "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline calibrate --input {input.sample:q} "
         "--out {output:q} --model {params.model:q} --server-log-dir {params.server_logs:q} "
-        "--gpus-per-job {resources.gpu} --settings {params.settings:q} 2>&1 | tee {log:q}; exit ${{PIPESTATUS[0]}}"
+        "--gpus-per-job {resources.gpu} --settings {params.settings:q} "
+        '--runtime-settings "$DFLASH_GENERATE_RUNTIME" 2>&1 | tee {log:q}; exit ${{PIPESTATUS[0]}}'
 
 
-rule generation_gate:
+# a checkpoint: generation jobs wait for its verdict without taking its file (rules/common.smk, after())
+checkpoint generation_gate:
     input:
         os.path.join(R, "plan.json"),
     output:

@@ -234,6 +234,13 @@ def shard_entry(wildcards):
     return manifest()["_by_shard"][wildcards.shard]
 
 
+def shard_records(wildcards):
+    """The ingested file a shard is cut from. ancient(): the file is rewritten whenever any of its records
+    changes; the shard's manifest entry (its param, with a digest of its samples) says whether this shard did.
+    (Safe from snakemake#4166: asked only once the manifest checkpoint, which runs after ingest, is done.)"""
+    return ancient(os.path.join(R, f"ingest/files/{shard_entry(wildcards)['src']}.parquet"))
+
+
 # ingest.shards_per_job > 1: shard and tokenize jobs take K consecutive shards of one file (a job group)
 SHARDS_PER_JOB = config["ingest"]["shards_per_job"]
 
@@ -265,6 +272,19 @@ def gate_mode(dataset):
     return "prompts" if dataset == "source" and config["generate"]["enabled"] else "full"
 
 
+# ------------------------------------------------------------------ verdicts: waited for, not inputs
+
+
+def after(aggregate, **wildcards):
+    """For an input function: wait for an aggregate that decides rather than feeds (a gate, the plan), without
+    taking its file as an input. Its rewrite (a shard added elsewhere, a touch, the same verdict again) then
+    redoes no per-shard job, in the same invocation: a job that asks is re-evaluated once the checkpoint has
+    run. (Not ancient(): jobs behind an ancient() input of a rerunning job are never re-evaluated for their own
+    changes in that invocation, snakemake/snakemake#4166.) A failed gate stops the run before them."""
+    aggregate.get(**wildcards)
+    return []
+
+
 # ------------------------------------------------------------------ generation
 
 GEN = config["generate"]
@@ -273,14 +293,15 @@ GEN_SGLANG = GEN.get("sglang") or {}
 
 
 def generation_backend_settings():
-    """The backend's own settings for `generate` and `calibrate` (hf in-process, running servers, or sglang)."""
+    """The backend's own settings for `generate` and `calibrate` (hf in-process, or sglang); the endpoints of
+    backend `servers` are operational (generation_runtime_settings)."""
     if GEN["backend"] == "hf":
         hf_keys = ("batch_size", "device", "dtype", "threads", "context_length", "max_batch_tokens", "cache")
         return {k: GEN_HF[k] for k in hf_keys if GEN_HF.get(k) not in (None, "")}
     if GEN["backend"] == "servers":
         if not GEN["servers"]:
             raise WorkflowError("generate.backend is 'servers' but generate.servers lists no endpoint")
-        return {"servers": GEN["servers"]}
+        return {}
     if GEN["gpus"] < 1:
         raise WorkflowError(
             "generate.backend is 'sglang' but generate.gpus is 0: give each job its GPUs (tp_size x dp_size x instances)"
@@ -289,23 +310,46 @@ def generation_backend_settings():
 
 
 def generate_settings():
-    """`generate:` as the stage's --settings: sampling, backend, retry policy and journal (option names where they
-    differ from the config's); not the resources, the calibration or the gate's limits."""
+    """`generate:` settings that decide the answers, as the stage's --settings (a param of the rules, so
+    changing one regenerates): sampling, backend, turn and length policies. Not the resources, the calibration, the gate's
+    limits, nor the operational knobs (generation_runtime_settings)."""
     keys = ["backend", "api", "max_in_flight", "max_new_tokens", "temperature", "top_p", "top_k", "seed"]
     keys += ["enable_thinking", "turns", "on_length", "length_retry_max_new_tokens", "model_name"]
-    keys += ["max_retries", "empty_retries", "retry_failed"]
+    return stage_settings("generate", keys=keys, **generation_backend_settings(), **TRUST)
+
+
+def generation_runtime_settings():
+    """Knobs that change how a generation job runs, never what it writes (progress, timeouts, retries, journal
+    flushing and mirror, the running servers). Not a param, so changing one reruns nothing: the rules pass them
+    through the environment (DFLASH_GENERATE_RUNTIME, set here, so every Snakemake process that runs a job has
+    it) as `--runtime-settings "$DFLASH_GENERATE_RUNTIME"`."""
     mirror = GEN.get("journal_mirror") or ""
     prefix = str(getattr(workflow.storage_settings, "default_storage_prefix", None) or "")
     if not mirror and prefix.startswith("s3://"):
         mirror = f"{prefix.rstrip('/')}/{R}/completions/journal"  # outputs on S3: journals follow them
-    renamed = dict(
-        flush_every=GEN["journal_flush_every"],
-        progress_interval=GEN["progress_interval_s"],
-        request_timeout=GEN["request_timeout_s"],
-        all_down_timeout=GEN["all_down_timeout_s"],
-        journal_mirror=mirror,
-    )
-    return stage_settings("generate", keys=keys, **renamed, **generation_backend_settings(), **TRUST)
+    names = dict(max_retries="max_retries", empty_retries="empty_retries", retry_failed="retry_failed")
+    names.update(flush_every="journal_flush_every", progress_interval="progress_interval_s")
+    names.update(request_timeout="request_timeout_s", all_down_timeout="all_down_timeout_s")
+    runtime = {option: GEN[key] for option, key in names.items() if GEN.get(key) is not None}
+    runtime["journal_mirror"] = mirror
+    if GEN["backend"] == "servers":
+        runtime["servers"] = GEN["servers"]
+    return runtime
+
+
+# set (not read) here, in every Snakemake process that parses the workflow, so the jobs it starts inherit it
+os.environ.update(DFLASH_GENERATE_RUNTIME=json.dumps(generation_runtime_settings(), sort_keys=True))
+
+
+def generation_gates(wildcards):
+    return after(checkpoints.gate, dataset="source") + after(checkpoints.generation_gate)
+
+
+def generation_calibration(wildcards):
+    """The calibration a generation job compares its live rate with. ancient(), and only once the generation
+    gate has run: a recalibration reruns the plan and that gate first, so its producer never reruns behind it."""
+    checkpoints.generation_gate.get()
+    return ancient(CALIBRATION)
 
 
 GEN_SETTINGS = generate_settings() if GEN["enabled"] else "{}"
@@ -326,16 +370,48 @@ def generation_group_members(gengroup):
 
 CALIBRATE = GEN.get("calibrate") or {}
 CALIBRATION = os.path.join(R, "calibration/generation.json")
+CALIBRATION_SAMPLE = os.path.join(R, "calibration/sample.parquet")
 GENERATION_GATE = os.path.join(R, "calibration/gate.ok")
 
 
+def calibration_sample_settings():
+    return {k: CALIBRATE.get(k, v) for k, v in (("samples", 256), ("warmup_requests", 8), ("seed", 0))}
+
+
+def calibration_shards():
+    """The shards the calibration sample is drawn from: those of the sample already drawn while they all still
+    exist and it met its size with the same settings (so added data keeps the sample and the calibration),
+    else every shard."""
+    from dflash_pipeline.planning.calibration_sample import drawn_from  # pyarrow: only when asked
+
+    current = shard_ids()
+    drawn = drawn_from(CALIBRATION_SAMPLE)
+    if drawn and drawn["settings"] == calibration_sample_settings() and drawn["full"]:
+        if set(drawn["shards"]) <= set(current):
+            return drawn["shards"]
+    return current
+
+
 def calibration_token_files(wildcards):
-    # ancient: redone token files (one shard changed, another max_length) draw no new sample
-    return [ancient(p) for p in expand(os.path.join(R, "tokens/source/{shard}.parquet"), shard=shard_ids())]
+    return expand(os.path.join(R, "tokens/source/{shard}.parquet"), shard=calibration_shards())
 
 
 def calibration_shard_files(wildcards):
-    return [ancient(p) for p in expand(os.path.join(R, "ingest/shards/{shard}.parquet"), shard=shard_ids())]
+    return expand(os.path.join(R, "ingest/shards/{shard}.parquet"), shard=calibration_shards())
+
+
+def calibration_sample_input(wildcards):
+    # ancient: after its checkpoint has run, the sample's mtime says nothing; its digest (a param) decides
+    checkpoints.calibration_sample.get()
+    return ancient(CALIBRATION_SAMPLE)
+
+
+def calibration_sample_identity(wildcards):
+    """Which prompts the sample holds: a new draw of the same prompts recalibrates nothing."""
+    from dflash_pipeline.planning.calibration_sample import sample_identity
+
+    checkpoints.calibration_sample.get()
+    return sample_identity(CALIBRATION_SAMPLE)
 
 
 def calibration_settings():
@@ -360,8 +436,19 @@ def plan_calibration():
 
 EXTRACT = config["extract"]
 # what the plan and the cost preview read of the config
+# what the plan and the preview read of each section (planning/plan.py, projection.py), and only that: a
+# learning rate, a progress interval or a timeout changes no projection, so it reruns no plan (nor the
+# generation gate behind it)
+PLAN_KEYS = {
+    "generate": ("enabled", "max_new_tokens", "parallel_jobs", "gpus", "shards_per_job", "assumed"),
+    "tokenize": ("max_length",),
+    "extract": ("codec", "assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes"),
+    "drafter": ("num_layers", "target_layer_ids"),
+    "train": ("epochs", "mode"),
+    "cost": ("gpu_hour_usd",),
+}
 PLAN_CONFIG = json.dumps(
-    {k: config.get(k) for k in ("generate", "tokenize", "extract", "drafter", "train", "cost")},
+    {name: {k: (config.get(name) or {}).get(k) for k in keys} for name, keys in PLAN_KEYS.items()},
     sort_keys=True,
     default=str,
 )
@@ -382,10 +469,12 @@ DRAFTER = config["drafter"]
 def train_inputs(wildcards):
     if TRAIN["mode"] == "offline":
         return expand(os.path.join(R, "hidden/{shard}.dfhs"), shard=shard_ids())
-    dataset = training_dataset()
-    return expand(os.path.join(R, "tokens", dataset, "{shard}.parquet"), shard=shard_ids()) + [
-        os.path.join(R, "audit", dataset, "gate.ok")
-    ]
+    return expand(os.path.join(R, "tokens", training_dataset(), "{shard}.parquet"), shard=shard_ids())
+
+
+def train_verdicts(wildcards):
+    """Online training reads token files: their gate must have passed (offline: extraction waited for it)."""
+    return after(checkpoints.gate, dataset=training_dataset()) if TRAIN["mode"] != "offline" else []
 
 
 def train_settings():

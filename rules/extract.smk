@@ -22,7 +22,8 @@ rule preview:
         "exit ${{PIPESTATUS[0]}}"
 
 
-rule plan:
+# a checkpoint: extraction jobs wait for it without taking its file (rules/common.smk, after())
+checkpoint plan:
     input:
         tokens=lambda wc: expand(os.path.join(R, "tokens/source/{shard}.parquet"), shard=shard_ids()),
         model=target_model_files(),
@@ -49,9 +50,9 @@ rule plan:
 rule extract:
     input:
         tokens=lambda wc: os.path.join(R, "tokens", training_dataset(), f"{wc.shard}.parquet"),
-        gate=lambda wc: os.path.join(R, "audit", training_dataset(), "gate.ok"),
-        # ordering only: the plan is printed before extraction starts, and a new plan redoes no shard
-        plan=ancient(os.path.join(R, "plan.txt")),
+        # the gate must have passed and the plan be printed first; waited for, not inputs: a re-gate or a new
+        # plan (a shard added elsewhere) redoes no shard
+        verdicts=lambda wc: after(checkpoints.gate, dataset=training_dataset()) + after(checkpoints.plan),
         model=target_model_files(),
     output:
         hidden=os.path.join(R, "hidden/{shard}.dfhs"),
@@ -71,11 +72,12 @@ rule extract:
         model=lambda wc, input: target_model_dir(input.model),
         settings=stage_settings(
             "extract",
-            drop=("assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes"),
+            # encode_threads is the rule's threads (not a param: how many threads write it changes no byte)
+            drop=("assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "encode_threads"),
             drafter_config=drafter_layers_json(),
             **TRUST,
         ),
     shell:
         # a killed job leaves {output.hidden}.partial + .journal behind: the rerun resumes from them
         "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline extract --tokens {input.tokens:q} --model {params.model:q} --out {output.hidden:q} "
-        "--stats {output.stats:q} --settings {params.settings:q} > {log:q} 2>&1"
+        "--stats {output.stats:q} --settings {params.settings:q} --encode-threads {threads} > {log:q} 2>&1"

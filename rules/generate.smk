@@ -13,12 +13,9 @@ if GEN["enabled"] and GEN["shards_per_job"] == 1:
     rule generate:
         input:
             shard=os.path.join(R, "ingest/shards/{shard}.parquet"),
-            # ancient: the gate must have passed, but its rewrite (another shard changed) redoes no generation
-            gate=ancient(os.path.join(R, "audit/source/gate.ok")),
-            # the calibration and the generation gate (rules/calibrate.smk) come first; ancient: a new plan or
-            # calibration redoes no finished generation
-            calibration=ancient(CALIBRATION),
-            generation_gate=ancient(GENERATION_GATE),
+            # the source gate and the generation gate must have passed; waited for, not inputs (common.smk: after)
+            gates=generation_gates,
+            calibration=generation_calibration,
             model=target_model_files(),
         output:
             completions=os.path.join(R, "completions/{shard}.parquet"),
@@ -39,7 +36,8 @@ if GEN["enabled"] and GEN["shards_per_job"] == 1:
         shell:
             "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline generate --input {input.shard:q} --out {output.completions:q} --model {params.model:q} "
             "--journal-dir {params.journal:q} --server-log-dir {params.server_logs:q} --calibration {input.calibration:q} "
-            "--settings {params.settings:q} > {log:q} 2>&1"
+            "--settings {params.settings:q} "
+            '--runtime-settings "$DFLASH_GENERATE_RUNTIME" > {log:q} 2>&1'
 
 elif GEN["enabled"]:
 
@@ -48,12 +46,9 @@ elif GEN["enabled"]:
             shards=lambda wc: expand(
                 os.path.join(R, "ingest/shards/{shard}.parquet"), shard=generation_group_members(wc.gengroup)
             ),
-            # ancient: the gate must have passed, but its rewrite (another shard changed) redoes no generation
-            gate=ancient(os.path.join(R, "audit/source/gate.ok")),
-            # the calibration and the generation gate (rules/calibrate.smk) come first; ancient: a new plan or
-            # calibration redoes no finished generation
-            calibration=ancient(CALIBRATION),
-            generation_gate=ancient(GENERATION_GATE),
+            # the source gate and the generation gate must have passed; waited for, not inputs (common.smk: after)
+            gates=generation_gates,
+            calibration=generation_calibration,
             model=target_model_files(),
         output:
             directory(os.path.join(R, "completions/groups/{gengroup}")),
@@ -76,7 +71,8 @@ elif GEN["enabled"]:
         shell:
             "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline generate --input {input.shards:q} --out {params.outs:q} --model {params.model:q} "
             "--journal-dir {params.journal:q} --server-log-dir {params.server_logs:q} --calibration {input.calibration:q} "
-            "--settings {params.settings:q} > {log:q} 2>&1"
+            "--settings {params.settings:q} "
+            '--runtime-settings "$DFLASH_GENERATE_RUNTIME" > {log:q} 2>&1'
 
     rule completions_from_group:
         input:

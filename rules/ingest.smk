@@ -51,7 +51,7 @@ if SHARDS_PER_JOB == 1:
 
     rule shard:
         input:
-            records=lambda wc: os.path.join(R, f"ingest/files/{shard_entry(wc)['src']}.parquet"),
+            records=shard_records,
         output:
             os.path.join(R, "ingest/shards/{shard}.parquet"),
         log:
@@ -61,7 +61,8 @@ if SHARDS_PER_JOB == 1:
         conda:
             ENV_CPU
         params:
-            # only this shard's slice of the manifest is a parameter: another file's change does not touch it
+            # this shard's manifest entry, with its content digest, is what decides it: another shard of the same
+            # file changed, or another file, rewrites nothing here
             spec=lambda wc: json.dumps(shard_entry(wc), sort_keys=True),
         shell:
             "dflash-pipeline shard --records {input.records:q} --spec {params.spec:q} --out {output:q} > {log:q} 2>&1"
@@ -70,7 +71,7 @@ else:
 
     rule shard_group:
         input:
-            records=lambda wc: os.path.join(R, f"ingest/files/{wc.shardgroup.rsplit('-', 1)[0]}.parquet"),
+            records=lambda wc: shard_records(SimpleNamespace(shard=shard_group_members(wc.shardgroup)[0])),
         output:
             directory(os.path.join(R, "ingest/shards/groups/{shardgroup}")),
         log:

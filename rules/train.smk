@@ -6,6 +6,7 @@
 rule train:
     input:
         data=train_inputs,
+        verdicts=train_verdicts,
         model=target_model_files(),
     output:
         directory(os.path.join(R, "train/drafter")),
@@ -25,13 +26,12 @@ rule train:
         nnodes=TRAIN["nodes"],
     params:
         model=lambda wc, input: target_model_dir(input.model),
-        data=lambda wc, input: [p for p in input.data if not str(p).endswith("gate.ok")],
         checkpoints=os.path.join(R, "train/checkpoints"),  # not an output: survives a failed job for resume
         settings=train_settings(),
     shell:
         "dflash-pipeline with-gpus --n {resources.gpus_per_node} -- "
         "dflash-pipeline launch-torchrun --nproc-per-node auto --nnodes {resources.nnodes} -- "
-        "dflash-pipeline train --inputs {params.data:q} --model {params.model:q} --out {output:q} "
+        "dflash-pipeline train --inputs {input.data:q} --model {params.model:q} --out {output:q} "
         "--checkpoint-dir {params.checkpoints:q} --settings {params.settings:q} > {log:q} 2>&1"
 
 

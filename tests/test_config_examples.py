@@ -175,7 +175,11 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
             apply_settings(parser, settings, stage.section, stage_name)  # raises on an unknown key
             seen[stage_name] = json.loads(settings)
     assert {"tokenize", "extract", "train", "export", "evaluate"} <= set(seen), sorted(seen)
-    assert seen["extract"]["encode_threads"] == 12 and seen["extract"]["token_budget"] == 16384
+    assert seen["extract"]["token_budget"] == 16384
+    # encode threads are the extract rule's threads (capped by --cores), not a setting: changing them reruns nothing
+    assert "encode_threads" not in seen["extract"]
+    extract_argv = commands["extract"][0]
+    assert 1 <= int(extract_argv[extract_argv.index("--encode-threads") + 1]) <= 12
     assert seen["train"]["batch_size"] == 4 and seen["train"]["compile"] is True and seen["train"]["num_layers"] == 5
     assert "gpus" not in seen["train"] and "gpus" not in seen["extract"] and "gpus" not in seen["evaluate"]
     assert seen["evaluate"]["num_prompts"] == 200 and seen["tokenize"]["max_length"] == 3072

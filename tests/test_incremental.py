@@ -20,7 +20,11 @@ import pytest
 import readme_path
 
 from conftest import BIN, run_cli
-from workflow_runs import changed, make_workdir, planned, planned_outputs, snakemake, snapshot, workflow_env
+from rerun_scenarios import (TABLE, add_raw_file, change_one_record, change_operational, change_resources,
+                             copy_run, ran, readme_table)
+from workflow_runs import changed, make_workdir, planned, snakemake, snapshot, workflow_env
+
+from dflash_pipeline.planning.calibration_sample import sample_identity
 
 pytestmark = pytest.mark.slow
 
@@ -28,15 +32,28 @@ SHARD_RE = re.compile(r"(?P<shard>[A-Za-z0-9_.]+-\d{5})")
 
 
 @pytest.fixture(scope="module")
-def done_run(tmp_path_factory, tiny_target):
-    """A run directory where the whole workflow has run once: the README's path, walked command by command
-    (`readme_path.walk`: copy the example config, dry runs on the local and SLURM profiles, the plan, the run,
-    unlock and a dry run that finds nothing left), with the tiny test config as the user's edit."""
+def runs(tmp_path_factory, tiny_target):
+    """A run directory where the whole workflow has run once, and an untouched copy of it: the README's path,
+    walked command by command (`readme_path.walk`: copy the example config, dry runs on the local and SLURM
+    profiles, the plan, the run, unlock and a dry run that finds nothing left), with the tiny test config as the
+    user's edit."""
     workdir = make_workdir(tmp_path_factory.mktemp("incremental") / "run", model=tiny_target)
     t0 = time.monotonic()
     readme_path.walk(workdir)
     print(f"full run: {time.monotonic() - t0:.1f} s")
-    return workdir
+    return workdir, copy_run(workdir, tmp_path_factory.mktemp("pristine") / "run")
+
+
+@pytest.fixture(scope="module")
+def done_run(runs):
+    """The finished run; tests may change it in place (and leave it with nothing to do)."""
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def pristine(runs):
+    """The finished run as it was; the table's tests copy it, one copy per change."""
+    return runs[1]
 
 
 def _shards(workdir: Path) -> list[str]:
@@ -161,26 +178,6 @@ def test_param_change_reruns_that_stage_and_descendants_only(done_run):
                              configfiles=("tiny.yaml", "longer.yaml"))) == {}
 
 
-def test_resource_change_reruns_nothing(done_run):
-    """More GPUs, nodes or memory for a stage is a scheduling change: no finished job is redone (GPU sizes are
-    resources, not params). Only the cheap plan, whose projection depends on them, and the generation gate that reads
-    it are redone."""
-    (done_run / "bigger.yaml").write_text(
-        "train:\n  gpus: 2\n  nodes: 1\nevaluate:\n  gpus: 1\nextract:\n  gpus: 1\ngenerate:\n  mem_mb: 64000\n")
-    plan = planned(snakemake(done_run, "-n", configfiles=("tiny.yaml", "bigger.yaml")))
-    # only the cheap projection and what reads it (the generation gate, the report); no recalibration, no GPU job
-    assert set(plan) <= {"plan", "generation_gate", "run_report", "all"}, plan
-    # while an output-changing setting of the same sections does rerun its stage. Snakemake 9 (upstream issue
-    # snakemake#4166) re-evaluates jobs behind ancient() inputs of a rerunning aggregate (here the plan) only on the
-    # next invocation: the cheap aggregates first, then training (README: rerun triggers)
-    configs = ("tiny.yaml", "longer_train.yaml")
-    (done_run / "longer_train.yaml").write_text("train:\n  gpus: 2\n  epochs: 2\n")
-    snakemake(done_run, "results/plan.txt", "results/calibration/gate.ok", "--cores", "2", configfiles=configs)
-    plan = planned(snakemake(done_run, "-n", configfiles=configs))
-    assert plan.get("train") == 1 and plan.get("export") == 1, plan
-    assert not {"extract", "generate", "calibrate", "tokenize"} & set(plan), plan
-
-
 def test_code_change_alone_does_not_rerun(done_run):
     """Editing a rule's command (a refactor, a comment) does not redo finished shards with the profile's
     triggers; Snakemake's default triggers (which include `code`) would."""
@@ -197,58 +194,82 @@ def test_code_change_alone_does_not_rerun(done_run):
         rule_file.write_text(original)
 
 
-def test_changing_one_raw_file_redoes_only_its_chain(done_run):
-    # last in this module: it leaves the stages after the source gate out of date
-    src = "sharegpt_part1_cleaned_split"
-    raw = done_run / f"data/demo/{src}.json"
-    audit = "results/audit/source/report.json"  # the chain up to the audit over all shards
-    before = snapshot(done_run)
-    # touched, same bytes: Snakemake compares the checksum it recorded (files up to
-    # --max-checksum-file-size, 1 MB by default) and redoes nothing; a big file is judged by its time
+def test_touched_raw_file_with_the_same_bytes_redoes_nothing(done_run):
+    raw = done_run / "data/demo/sharegpt_part1_cleaned_split.json"
+    audit = "results/audit/source/report.json"
+    # Snakemake compares the checksum it recorded (files up to --max-checksum-file-size, 1 MB by default) and
+    # redoes nothing; a big file is judged by its time
     os.utime(raw)
     assert planned(snakemake(done_run, "-n", audit)) == {}
     big = planned(snakemake(done_run, "-n", audit, "--max-checksum-file-size", "0"))
     assert big.get("ingest") == 1 and big.get("manifest") == 1, big
     assert "demo_data" not in big and "tiny_target" not in big
-    # new content: that file is ingested again and only its shards are redone
-    records = json.loads(raw.read_text())
-    revised = 0
-    for record in records:  # every well-formed record: the file's kept samples all change
-        turns = record.get("conversations") if isinstance(record, dict) else None
-        if isinstance(turns, list) and turns and isinstance(turns[-1], dict) and isinstance(turns[-1].get("value"), str):
-            turns[-1]["value"] += " (revised)"
-            revised += 1
-    assert revised > 10
-    raw.write_text(json.dumps(records))
-    plan = planned(snakemake(done_run, "-n", audit))
-    assert plan.get("ingest") == 1 and plan.get("manifest") == 1, plan
-    # the per-shard chain up to the audit over all shards (past the gate, see the next test)
-    snakemake(done_run, audit, "--cores", "2")
-    touched = changed(before, snapshot(done_run))
-    by_shard = _per_shard(touched)
-    assert by_shard, touched
-    # every per-shard file that was rewritten belongs to that file's shards ...
-    assert all(shard.startswith(src + "-") for shard in by_shard), sorted(by_shard)
-    # ... all of that file's shards were redone, and no other raw file was ingested again
-    assert set(by_shard) == {s for s in _shards(done_run) if s.startswith(src + "-")}
-    assert not any("ingest/files/" in p and src not in p for p in touched)
-    assert planned(snakemake(done_run, "-n", audit)) == {}
 
 
-def test_regating_does_not_redo_other_shards_generation(done_run):
-    """After one raw file changed (the test above), the source audit and gate are redone; generation takes the
-    gate as an ancient() input, so only the changed shard is generated again (GPU hours, at scale)."""
-    src = "sharegpt_part1_cleaned_split"
-    # the re-gating aggregates run first (snakemake#4166: jobs behind their ancient() outputs wait for the next
-    # invocation), then the plan holds the changed shard's generation only
-    snakemake(done_run, "results/audit/source/gate.ok", "results/calibration/gate.ok", "--cores", "2")
-    proc = snakemake(done_run, "-n")
-    plan = planned(proc)
-    changed_shards = [s for s in _shards(done_run) if s.startswith(src + "-")]
-    assert len(changed_shards) < len(_shards(done_run))
-    assert "generate_group" not in plan and plan.get("generate") == len(changed_shards), plan
-    generated = {p for p in planned_outputs(proc) if "/completions/" in p and p.endswith(".parquet")}
-    assert generated == {f"results/completions/{s}.parquet" for s in changed_shards}, generated
+# ------------------------------------------------------------------ the README table, row by row
+# Each change is made to a copy of the finished run; ONE `snakemake` must do exactly the jobs below, and a dry
+# run after it must find nothing to do (no change needs a second invocation).
+
+AGGREGATES = {"audit": 2, "gate": 2, "plan": 1, "generation_gate": 1}
+TRAIN_ONWARDS = {"train": 1, "export": 1, "evaluate": 1, "evaluate_gate": 1, "run_report": 1, "all": 1}
+
+
+def _expected(change, shards: int) -> dict[str, int]:
+    """Jobs per rule the change must run, with `shards` shards in the finished run (tiny config: 2)."""
+    one_shard = {"shard": 1, "tokenize": 2, "generate": 1, "extract": 1}
+    return {
+        "add_raw_file": {"ingest": 1, "manifest": 1, **one_shard, **AGGREGATES, **TRAIN_ONWARDS},
+        "change_one_record": {"ingest": 1, "manifest": 1, **one_shard, **AGGREGATES, **TRAIN_ONWARDS},
+        "rewrite_verdicts": {"gate": 2, "generation_gate": 1, "run_report": 1, "all": 1},
+        "train_lr": TRAIN_ONWARDS,
+        "extract_codec": {"plan": 1, "generation_gate": 1, "extract": shards, **TRAIN_ONWARDS},
+        "max_new_tokens": {"calibrate": 1, "plan": 1, "generation_gate": 1, "generate": shards, "tokenize": shards,
+                           "audit": 1, "gate": 1, "extract": shards, **TRAIN_ONWARDS},
+    }[change.__name__]
+
+
+REAL_RUN_CHANGES = [change for _, _, change in TABLE
+                    if change.__name__ not in ("resources", "operational")]
+
+
+@pytest.mark.parametrize("change", REAL_RUN_CHANGES, ids=lambda c: c.__name__)
+def test_one_invocation_redoes_exactly_what_the_change_invalidates(pristine, tmp_path, change):
+    work = copy_run(pristine, tmp_path / "run")
+    shards = _shards(work)
+    calibration = work / "results/calibration/generation.json"
+    sample_before = sample_identity(str(work / "results/calibration/sample.parquet"))
+    before = snapshot(work)
+    configs = change(work, ("tiny.yaml",))
+    jobs = ran(snakemake(work, "--cores", "2", configfiles=configs))
+    expected = _expected(change, len(shards))
+    if change is change_one_record:
+        # the record's shard is in the calibration's sample: a new draw, and a new calibration only if the
+        # draw picked other prompts (a content hash of the prompts decides, not the file's time)
+        expected["calibration_sample"] = 1
+        if sample_identity(str(work / "results/calibration/sample.parquet")) != sample_before:
+            expected["calibrate"] = 1
+    assert jobs == expected, jobs
+    assert planned(snakemake(work, "-n", configfiles=configs)) == {}, "a second invocation would do more"
+    redone = _per_shard(p for p in changed(before, snapshot(work)) if "/completions/" in p or "/hidden/" in p)
+    if change in (add_raw_file, change_one_record):
+        # generation and extraction of no other shard: its files are the very same
+        assert len(redone) == 1 and set(redone) <= set(_shards(work)), redone
+    if change is add_raw_file:
+        assert calibration.stat().st_mtime_ns == before[str(calibration.relative_to(work))]
+
+
+@pytest.mark.parametrize("change", [change_resources, change_operational], ids=lambda c: c.__name__)
+def test_resources_and_operational_knobs_rerun_nothing(pristine, tmp_path, change):
+    """More GPUs, nodes or memory for a stage is a scheduling change; progress, timeouts, retries, journal
+    flushing, the running servers and encode threads change how a job runs, not what it writes."""
+    work = copy_run(pristine, tmp_path / "run")
+    configs = change(work, ("tiny.yaml",))
+    assert planned(snakemake(work, "-n", configfiles=configs)) == {}
+
+
+def test_readme_table_is_the_tested_one(repo_root):
+    """docs/running.md "Run it again after a change" shows exactly the rows these tests check."""
+    assert readme_table() in (repo_root / "docs/running.md").read_text()
 
 
 def test_reset_redoes_what_forcerun_resumes(done_run):

@@ -343,6 +343,24 @@ def test_evaluation_prompts_never_train_and_are_counted_per_file(tmp_path):
     assert m["totals"]["decontaminated"] == 3 and m["totals"]["samples"] == 4
 
 
+def test_manifest_content_digest_changes_only_for_the_changed_shard(tmp_path):
+    """A shard's manifest entry is its shard job's param: one changed record must change one entry only."""
+    def manifest_of(records):
+        path = tmp_path / "a.jsonl"
+        write_jsonl(path, records)
+        ingest_file(str(path), str(tmp_path / "a.parquet"), str(tmp_path / "a.stats.json"),
+                    str(tmp_path / "a.quarantine.jsonl"))
+        return build_manifest([str(tmp_path / "a.parquet")], [str(tmp_path / "a.stats.json")], shard_size=4)
+
+    records = [conv(i) for i in range(10)] + [conv(2)]  # a duplicate: dropped, outside every digest
+    before = manifest_of(records)
+    assert len({s["content"] for s in before["shards"]}) == 3
+    records[5] = conv(5, "a revised answer")
+    after = manifest_of(records)
+    assert [b == a for b, a in zip(before["shards"], after["shards"])] == [True, False, True]
+    assert after["shards"][1]["content"] != before["shards"][1]["content"]
+
+
 def test_array_scanner_across_read_boundaries_with_escapes(tmp_path):
     """Strings full of escaped quotes and backslashes, brackets inside strings, records crossing 1 MiB reads."""
     tricky = 'a "quoted" \\ back\\slash ] } [ { \\" \\\\" 中文 '

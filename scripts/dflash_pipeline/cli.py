@@ -7,7 +7,9 @@ one runs it with the parsed arguments and returns an exit code (or None for 0).
 Settings: the workflow hands a stage its config section as one JSON object (`--settings '{...}'`): keys are the
 stage's long options with underscores; an unknown key is an error. Defaults for keys the config schema knows
 come from the schema (rules/schemas/config.schema.yaml), so one file states them; an explicit option on the
-command line wins over both.
+command line wins over both. `--runtime-settings '{...}'` takes the same keys: the workflow passes there the
+knobs that change how a job runs but not what it writes (progress, timeouts, retries), which are not rule
+params, so that changing one reruns nothing.
 """
 
 from __future__ import annotations
@@ -111,7 +113,24 @@ def schema_problem(value, prop: dict) -> str | None:
 
 
 def _option_dests(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "settings")}
+    return {a.dest: a for a in parser._actions
+            if a.option_strings and a.dest not in ("help", "settings", "runtime_settings")}
+
+
+def _settings_object(settings_json: str | None, option: str, stage: str, dests: dict) -> dict:
+    if not settings_json:
+        return {}
+    try:
+        settings = json.loads(settings_json)
+    except ValueError as exc:
+        raise PipelineError(f"{stage} {option}: not JSON ({exc})") from exc
+    if not isinstance(settings, dict):
+        raise PipelineError(f"{stage} {option}: expected a JSON object, got {type(settings).__name__}")
+    unknown = sorted(set(settings) - set(dests))
+    if unknown:
+        raise PipelineError(f"{stage} {option}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                            f"known: {', '.join(sorted(dests))}")
+    return settings
 
 
 def _setting_value(stage: str, key: str, value, action: argparse.Action, prop: dict | None):
@@ -131,23 +150,14 @@ def _setting_value(stage: str, key: str, value, action: argparse.Action, prop: d
 
 
 def apply_settings(parser: argparse.ArgumentParser, settings_json: str | None, section: str | None,
-                   stage: str) -> None:
-    """Schema defaults, then `--settings` values, become the parser's defaults (explicit options still win)."""
+                   stage: str, runtime_json: str | None = None) -> None:
+    """Schema defaults, then `--settings` and `--runtime-settings` values, become the parser's defaults
+    (explicit options still win)."""
     dests = _option_dests(parser)
     props = schema_properties(section) if section else {}
     defaults = {k: v["default"] for k, v in props.items() if k in dests and "default" in v}
-    if settings_json:
-        try:
-            settings = json.loads(settings_json)
-        except ValueError as exc:
-            raise PipelineError(f"{stage} --settings: not JSON ({exc})") from exc
-        if not isinstance(settings, dict):
-            raise PipelineError(f"{stage} --settings: expected a JSON object, got {type(settings).__name__}")
-        unknown = sorted(set(settings) - set(dests))
-        if unknown:
-            raise PipelineError(f"{stage} --settings: unknown key(s) {', '.join(map(repr, unknown))}; "
-                                f"known: {', '.join(sorted(dests))}")
-        defaults.update(settings)
+    defaults.update(_settings_object(settings_json, "--settings", stage, dests))
+    defaults.update(_settings_object(runtime_json, "--runtime-settings", stage, dests))
     for key, value in defaults.items():
         defaults[key] = _setting_value(stage, key, value, dests[key], props.get(key))
         dests[key].required = False  # given by the settings or the schema
@@ -213,11 +223,14 @@ def build_parser(wanted: str | None, argv: list[str]) -> argparse.ArgumentParser
         getattr(module, stage.add_arguments)(p)
         p.add_argument("--settings", default=None, metavar="JSON",
                        help="the stage's settings as one JSON object (what the workflow passes)")
+        p.add_argument("--runtime-settings", default=None, metavar="JSON",
+                       help="settings that change how the stage runs, not its output (not rule params)")
         p.set_defaults(_run=getattr(module, stage.run))
         pre = argparse.ArgumentParser(add_help=False)
         pre.add_argument("--settings", default=None)
+        pre.add_argument("--runtime-settings", default=None)
         known, _ = pre.parse_known_args(argv[argv.index(name) + 1:])
-        apply_settings(p, known.settings, stage.section, name)
+        apply_settings(p, known.settings, stage.section, name, known.runtime_settings)
         show_defaults(p)
     return parser
 

@@ -3,7 +3,9 @@
 `manifest`: streams every ingested file's sample ids in a fixed order through a bounded-memory deduplicator
 (data/dedup.py) that marks exact duplicates (the first occurrence wins, across files too) and cuts each file's
 unique records into shards of `shard_size`.
-Shards are named `<source>-<k>`, so a change to one raw file changes only that file's shards.
+Shards are named `<source>-<k>`, so a change to one raw file changes only that file's shards. Each entry
+carries `content`, a digest of its samples' ids (ids are content hashes): the workflow's shard job takes its
+entry as its parameter, so a raw file with one record changed rewrites only the shard that holds it.
 
 `shard`: writes one shard from its file's records and its manifest entry.
 """
@@ -11,6 +13,7 @@ Shards are named `<source>-<k>`, so a change to one raw file changes only that f
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -57,6 +60,24 @@ def _cut_shards(src: str, is_first: np.ndarray, shard_size: int) -> list[dict]:
     return shards
 
 
+def _add_content_digests(path: str, shards: list[dict]) -> None:
+    """Each shard's `content`: sha256 over its kept samples' ids, in order (a second, streaming pass)."""
+    if not shards:
+        return
+    digests = [hashlib.sha256() for _ in shards]
+    drops = [set(s["drop"]) for s in shards]
+    k, row = 0, 0
+    for batch in pq.ParquetFile(path).iter_batches(columns=["sample_id"], batch_size=65536):
+        for sid in batch.column(0).to_pylist():
+            while k < len(shards) and row >= shards[k]["rows"][1]:
+                k += 1
+            if k < len(shards) and row >= shards[k]["rows"][0] and row not in drops[k]:
+                digests[k].update(sid.encode() + b"\n")
+            row += 1
+    for shard, digest in zip(shards, digests):
+        shard["content"] = digest.hexdigest()[:16]
+
+
 def _file_entry(src: str, st: dict, duplicates: int, kept: int, n_shards: int) -> dict:
     entry = {"src": src, "file": st["file"], "records_read": st["records_read"], "quarantined": st["quarantined"],
              "decontaminated": st.get("decontaminated", 0), "duplicates": duplicates, "kept": kept, "shards": n_shards,
@@ -80,6 +101,7 @@ def build_manifest(records: list[str], stats: list[str], shard_size: int) -> dic
         is_first = np.ones(hi - lo, dtype=bool)
         is_first[dups[0][(dups[0] >= lo) & (dups[0] < hi)] - lo] = False
         own = _cut_shards(src, is_first, shard_size)
+        _add_content_digests(paths[i], own)
         kept = int(is_first.sum())
         files.append(_file_entry(src, stats_by_src[src], hi - lo - kept, kept, len(own)))
         shards.extend(own)

@@ -4,8 +4,13 @@ A stratified sample: the corpus's prompts are sorted by length (from the source 
 num_loss_tokens`, the tokens that are not an answer) and cut into `samples` strata of equal count; one prompt
 is drawn from each stratum, from the shard drawn least so far. So the sample covers the prompt-length
 distribution quantile by quantile (equal-count strata make it self-weighting: its plain mean estimates the
-corpus mean) and spreads over the shards. A few extra prompts, drawn at random from the rest, are the
-warm-up: sent first and left out of every measurement.
+corpus mean) and spreads over the shards. A few extra prompts from the rest are the warm-up: sent first and
+left out of every measurement.
+
+Draws go by a hash of the sample id and the seed (as the held-out split does), not by a random stream: a
+change to a few records moves few picks, so a redrawn sample is mostly the old one. The shards drawn from
+are recorded in the file (`drawn_from`): the workflow keeps drawing from the same shards while they all exist
+and the sample met its size, so adding data keeps the sample and its calibration.
 
 Writes one Parquet file: the ingested rows (SAMPLE_SCHEMA) of the chosen samples plus `shard`, `stratum`,
 `prompt_tokens_est` and `phase` (warmup | measure); the corpus's size and prompt-length quantiles go into
@@ -15,8 +20,8 @@ the file's metadata (key `calibration_sample`), so the calibration can state how
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import random
 from collections import defaultdict
 from pathlib import Path
 
@@ -54,27 +59,29 @@ def read_prompt_lengths(token_files: list[str]) -> list[tuple[str, str, int]]:
     return out
 
 
+def draw_key(sample_id: str, seed: int) -> bytes:
+    """The order in which samples are drawn: a hash of the id, fixed by the seed."""
+    return hashlib.sha256(f"dflash-calibration:{seed}:{sample_id}".encode()).digest()
+
+
 def stratified(population: list[tuple[str, str, int]], samples: int, warmup: int, seed: int):
     """(measured, warm-up) lists of (shard, sample_id, prompt_len, stratum) drawn from `population`."""
     if not population:
         raise PipelineError("calibration: the corpus has no samples")
-    rng = random.Random(seed)
-    order = sorted(range(len(population)), key=lambda i: (population[i][2], rng.random()))
+    keys = [draw_key(p[1], seed) for p in population]
+    order = sorted(range(len(population)), key=lambda i: (population[i][2], keys[i]))
     n = min(samples, len(order))
     used: dict[str, int] = defaultdict(int)
     chosen: list[int] = []
     for k in range(n):
         stratum = order[k * len(order) // n:(k + 1) * len(order) // n]
-        by_shard: dict[str, list[int]] = defaultdict(list)
-        for i in stratum:
-            by_shard[population[i][0]].append(i)
-        fewest = min(used[s] for s in by_shard)
-        shard = rng.choice(sorted(s for s in by_shard if used[s] == fewest))
-        used[shard] += 1
-        chosen.append(rng.choice(by_shard[shard]))
+        fewest = min(used[population[i][0]] for i in stratum)
+        pick = min((i for i in stratum if used[population[i][0]] == fewest), key=keys.__getitem__)
+        used[population[pick][0]] += 1
+        chosen.append(pick)
     strata = {i: k for k, i in enumerate(chosen)}
-    rest = sorted(set(range(len(population))) - set(chosen))
-    warm = rng.sample(rest, min(warmup, len(rest)))
+    rest = sorted(set(range(len(population))) - set(chosen), key=keys.__getitem__)
+    warm = rest[:warmup]
     pick = lambda idx, stratum: (*population[idx], stratum)  # noqa: E731
     return [pick(i, strata[i]) for i in chosen], [pick(i, -1) for i in warm]
 
@@ -121,7 +128,10 @@ def build(token_files: list[str], shard_files: list[str], samples: int, warmup: 
         "prompt_tokens_est": quantiles([p[2] for p in population]),
         "sample_prompt_tokens_est": quantiles([p[2] for p in measured]),
         "sample_shards": len({p[0] for p in measured}), "measured": len(measured), "warmup": len(warm),
-        "seed": seed, "method": "equal-count prompt-length strata, one draw each, from the least-drawn shard",
+        "seed": seed, "method": "equal-count prompt-length strata, one draw each (by a hash of the sample id), "
+                                "from the least-drawn shard",
+        "drawn_from": sorted({shard_name(p) for p in token_files}),
+        "settings": {"samples": samples, "warmup_requests": warmup, "seed": seed},
     }
     table = pa.Table.from_pylist(records, schema=SAMPLE_FILE_SCHEMA)
     return table.replace_schema_metadata({METADATA_KEY: json.dumps(corpus).encode()}), corpus
@@ -137,6 +147,26 @@ def read_sample(path: str) -> tuple[list[dict], list[dict], dict]:
     rows = table.to_pylist()
     return ([r for r in rows if r["phase"] == "warmup"], [r for r in rows if r["phase"] == "measure"],
             json.loads(meta))
+
+
+def drawn_from(path: str) -> dict | None:
+    """What a sample file was drawn from ({shards, settings, full}), or None (no readable sample there)."""
+    try:
+        meta = (pq.read_schema(path).metadata or {}).get(METADATA_KEY)
+        corpus = json.loads(meta) if meta else {}
+    except (OSError, ValueError, pa.ArrowException):
+        return None
+    if "drawn_from" not in corpus:
+        return None
+    full = corpus["measured"] == corpus["settings"]["samples"]
+    return {"shards": corpus["drawn_from"], "settings": corpus["settings"], "full": full}
+
+
+def sample_identity(path: str) -> str:
+    """A digest of which prompts a sample file holds, in which phase (sample ids are content hashes)."""
+    table = pq.read_table(path, columns=["sample_id", "phase"])
+    pairs = sorted(zip(table.column("phase").to_pylist(), table.column("sample_id").to_pylist()))
+    return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:16]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
