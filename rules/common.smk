@@ -410,8 +410,9 @@ def calibration_sample_identity(wildcards):
     """Which prompts the sample holds: a new draw of the same prompts recalibrates nothing."""
     from dflash_pipeline.planning.calibration_sample import sample_identity
 
-    checkpoints.calibration_sample.get()
-    return sample_identity(CALIBRATION_SAMPLE)
+    sample = checkpoints.calibration_sample.get().output[0]
+    with sample.open("rb") as fh:  # the local copy, also under S3 storage (as manifest() reads the manifest)
+        return sample_identity(fh)
 
 
 def calibration_settings():

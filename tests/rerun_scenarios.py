@@ -69,14 +69,14 @@ def change_one_record(work: Path, configfiles) -> tuple[str, ...]:
 
 
 def rewrite_verdicts(work: Path, configfiles) -> tuple[str, ...]:
-    """Every audit report, gate and the plan rewritten with the same content (as a rerun that decides the
-    same would): newer files, same verdicts."""
+    """Every audit report, gate and the plan rewritten with the same verdict but other bytes (a newline more),
+    as a rerun that decides the same would leave them: the gates, and what reads the plan, run again."""
     results = work / "results"
     for rel in ("audit/source/report.json", "audit/regenerated/report.json", "audit/source/gate.ok",
                 "audit/regenerated/gate.ok", "plan.txt", "plan.json", "calibration/gate.ok"):
         path = results / rel
         if path.exists():
-            path.write_bytes(path.read_bytes())
+            path.write_bytes(path.read_bytes() + b"\n")
     return tuple(configfiles)
 
 
@@ -92,7 +92,7 @@ change_extract_codec = config_change("extract_codec.yaml", "extract:\n  codec: r
 change_max_new_tokens = config_change("max_new_tokens.yaml", "generate:\n  max_new_tokens: 12\n")
 change_resources = config_change(
     "resources.yaml",
-    "train:\n  gpus: 2\n  nodes: 1\n  runtime_min: 60\n  mem_mb: 64000\nevaluate:\n  gpus: 1\n"
+    "train:\n  gpus: 2\n  nodes: 1\nevaluate:\n  gpus: 1\n"
     "extract:\n  gpus: 1\ngenerate:\n  mem_mb: 64000\n  runtime_min: 99\n")
 change_operational = config_change(
     "operational.yaml",
@@ -107,7 +107,8 @@ TABLE = [
      "manifest, audits, gates, plan and generation gate; train, export, evaluate, report. Not the calibration: "
      "its sample is kept", add_raw_file),
     ("one record of a raw file changed", "that file's ingest, then only the shard holding the record, through "
-     "generate and extract; the aggregates; train onwards. The calibration only if the record was in its sample",
+     "generate and extract; the aggregates; train onwards. The calibration sample is drawn again (one of its "
+     "shards changed), the calibration only if that draw holds other prompts",
      change_one_record),
     ("an audit report, gate or the plan rewritten with the same verdict", "the gates, the generation gate and "
      "the report (seconds of CPU); no per-shard job", rewrite_verdicts),
@@ -117,8 +118,8 @@ TABLE = [
      "onwards; no generation", change_extract_codec),
     ("`generate.max_new_tokens`", "the calibration, the plan and its gate, every generate and what follows; "
      "not ingest nor the source tokenize", change_max_new_tokens),
-    ("resources only (GPUs of train/extract/evaluate, nodes, memory, run time)", "nothing (`generate.gpus` "
-     "re-plans: the plan's GPU-hours)", change_resources),
+    ("resources only (GPUs of train, extract and evaluate, nodes; generation's memory and run time)",
+     "nothing (`generate.gpus` re-plans: the plan's GPU-hours)", change_resources),
     ("an operational knob: progress interval, timeouts, retries, journal flush, the list of running servers, "
      "encode threads", "nothing", change_operational),
 ]

@@ -162,9 +162,10 @@ def drawn_from(path: str) -> dict | None:
     return {"shards": corpus["drawn_from"], "settings": corpus["settings"], "full": full}
 
 
-def sample_identity(path: str) -> str:
-    """A digest of which prompts a sample file holds, in which phase (sample ids are content hashes)."""
-    table = pq.read_table(path, columns=["sample_id", "phase"])
+def sample_identity(source) -> str:
+    """A digest of which prompts a sample file (a path or an open binary file) holds, in which phase (sample ids
+    are content hashes)."""
+    table = pq.read_table(source, columns=["sample_id", "phase"])
     pairs = sorted(zip(table.column("phase").to_pylist(), table.column("sample_id").to_pylist()))
     return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:16]
 
