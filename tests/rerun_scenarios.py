@@ -92,8 +92,8 @@ change_extract_codec = config_change("extract_codec.yaml", "extract:\n  codec: r
 change_max_new_tokens = config_change("max_new_tokens.yaml", "generate:\n  max_new_tokens: 12\n")
 change_resources = config_change(
     "resources.yaml",
-    "train:\n  gpus: 2\n  nodes: 1\nevaluate:\n  gpus: 1\n"
-    "extract:\n  gpus: 1\ngenerate:\n  mem_mb: 64000\n  runtime_min: 99\n")
+    "train:\n  gpus: 2\n  nodes: 1\n  mem_mb: 64000\n  runtime_min: 99\nevaluate:\n  gpus: 1\n  mem_mb: 9000\n"
+    "extract:\n  gpus: 1\n  mem_mb: 9000\n  runtime_min: 99\ngenerate:\n  mem_mb: 64000\n  runtime_min: 99\n")
 change_operational = config_change(
     "operational.yaml",
     "generate:\n  progress_interval_s: 3\n  request_timeout_s: 60\n  all_down_timeout_s: 30\n  max_retries: 2\n"
@@ -118,7 +118,7 @@ TABLE = [
      "onwards; no generation", change_extract_codec),
     ("`generate.max_new_tokens`", "the calibration, the plan and its gate, every generate and what follows; "
      "not ingest nor the source tokenize", change_max_new_tokens),
-    ("resources only (GPUs of train, extract and evaluate, nodes; generation's memory and run time)",
+    ("resources only (GPUs of train, extract and evaluate, nodes, memory, run time)",
      "nothing (`generate.gpus` re-plans: the plan's GPU-hours)", change_resources),
     ("an operational knob: progress interval, timeouts, retries, journal flush, the list of running servers, "
      "encode threads", "nothing", change_operational),
