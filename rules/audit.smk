@@ -5,6 +5,7 @@
 rule audit:
     input:
         audits=shard_audits,
+        verdicts=regenerated_settled,
         manifest=os.path.join(R, "ingest/manifest.json"),
     output:
         report=os.path.join(R, "audit/{dataset}/report.json"),

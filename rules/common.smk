@@ -345,6 +345,19 @@ def generation_gates(wildcards):
     return after(checkpoints.gate, dataset="source") + after(checkpoints.generation_gate)
 
 
+def settled(wildcards):
+    """Every verdict upstream of a job after generation, in order, waited for. Snakemake keeps the reason it
+    gave a job while something upstream was pending; only the jobs that asked a checkpoint are re-evaluated
+    when it has run. So every job downstream of a verdict asks for it too, not only the first one."""
+    verdicts = generation_gates(wildcards) if GEN["enabled"] else []
+    return verdicts + after(checkpoints.gate, dataset=training_dataset()) + after(checkpoints.plan)
+
+
+def regenerated_settled(wildcards):
+    """settled() for the jobs between generation and its gate (the regenerated dataset's tokenize, audit)."""
+    return generation_gates(wildcards) if wildcards.dataset == "regenerated" else []
+
+
 def generation_calibration(wildcards):
     """The calibration a generation job compares its live rate with. ancient(), and only once the generation
     gate has run: a recalibration reruns the plan and that gate first, so its producer never reruns behind it."""
@@ -401,7 +414,9 @@ def calibration_shard_files(wildcards):
 
 
 def calibration_sample_input(wildcards):
-    # ancient: after its checkpoint has run, the sample's mtime says nothing; its digest (a param) decides
+    # ancient: after its checkpoint has run, the sample's mtime says nothing; its digest (a param) decides.
+    # The manifest first: the sample's checkpoint waits for it, and may then not run at all (settled())
+    manifest()
     checkpoints.calibration_sample.get()
     return ancient(CALIBRATION_SAMPLE)
 
@@ -410,6 +425,7 @@ def calibration_sample_identity(wildcards):
     """Which prompts the sample holds: a new draw of the same prompts recalibrates nothing."""
     from dflash_pipeline.planning.calibration_sample import sample_identity
 
+    manifest()  # as calibration_sample_input asks: the same checkpoint pending first
     sample = checkpoints.calibration_sample.get().output[0]
     with sample.open("rb") as fh:  # the local copy, also under S3 storage (as manifest() reads the manifest)
         return sample_identity(fh)
@@ -474,8 +490,7 @@ def train_inputs(wildcards):
 
 
 def train_verdicts(wildcards):
-    """Online training reads token files: their gate must have passed (offline: extraction waited for it)."""
-    return after(checkpoints.gate, dataset=training_dataset()) if TRAIN["mode"] != "offline" else []
+    return settled(wildcards)
 
 
 def train_settings():
@@ -507,6 +522,7 @@ EVAL = config["evaluate"]
 
 def report_inputs(wildcards):
     inputs = {
+        "verdicts": settled(wildcards),
         "train": os.path.join(R, "train/drafter"),
         "evaluate": os.path.join(R, "evaluate/report.json"),
     }

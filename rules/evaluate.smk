@@ -6,6 +6,7 @@
 rule evaluate:
     input:
         drafter=os.path.join(R, "drafter"),
+        verdicts=settled,
         tokens=lambda wc: expand(os.path.join(R, "tokens", training_dataset(), "{shard}.parquet"), shard=shard_ids()),
         model=target_model_files(),
         prompts=[EVAL_PROMPTS] if EVAL_PROMPTS else [],
@@ -35,7 +36,8 @@ rule evaluate:
 
 rule evaluate_gate:
     input:
-        os.path.join(R, "evaluate/report.json"),
+        report=os.path.join(R, "evaluate/report.json"),
+        verdicts=settled,
     output:
         os.path.join(R, "evaluate/gate.ok"),
     log:
@@ -43,4 +45,4 @@ rule evaluate_gate:
     conda:
         ENV_CPU
     shell:
-        "dflash-pipeline evaluate-gate --report {input:q} --out {output:q} 2>&1 | tee {log:q}; exit ${{PIPESTATUS[0]}}"
+        "dflash-pipeline evaluate-gate --report {input.report:q} --out {output:q} 2>&1 | tee {log:q}; exit ${{PIPESTATUS[0]}}"

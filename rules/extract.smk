@@ -52,7 +52,7 @@ rule extract:
         tokens=lambda wc: os.path.join(R, "tokens", training_dataset(), f"{wc.shard}.parquet"),
         # the gate must have passed and the plan be printed first; waited for, not inputs: a re-gate or a new
         # plan (a shard added elsewhere) redoes no shard
-        verdicts=lambda wc: after(checkpoints.gate, dataset=training_dataset()) + after(checkpoints.plan),
+        verdicts=settled,
         model=target_model_files(),
     output:
         hidden=os.path.join(R, "hidden/{shard}.dfhs"),

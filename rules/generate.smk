@@ -76,12 +76,13 @@ elif GEN["enabled"]:
 
     rule completions_from_group:
         input:
-            lambda wc: os.path.join(R, f"completions/groups/{generation_group_of(wc.shard)}"),
+            group=lambda wc: os.path.join(R, f"completions/groups/{generation_group_of(wc.shard)}"),
+            gates=generation_gates,
         output:
             completions=os.path.join(R, "completions/{shard}.parquet"),
             summary=os.path.join(R, "completions/{shard}.summary.json"),
         log:
             log("generate/{shard}.copy"),
         shell:
-            "(cp {input:q}/{wildcards.shard}.parquet {output.completions:q} && "
-            "cp {input:q}/{wildcards.shard}.summary.json {output.summary:q}) > {log:q} 2>&1"
+            "(cp {input.group:q}/{wildcards.shard}.parquet {output.completions:q} && "
+            "cp {input.group:q}/{wildcards.shard}.summary.json {output.summary:q}) > {log:q} 2>&1"

@@ -6,6 +6,7 @@ if SHARDS_PER_JOB == 1:
     rule tokenize:
         input:
             conversations=shard_conversations,
+            verdicts=regenerated_settled,
             model=target_model_files(),
         output:
             tokens=os.path.join(R, "tokens/{dataset}/{shard}.parquet"),
@@ -32,6 +33,7 @@ else:
                 shard_conversations(SimpleNamespace(dataset=wc.dataset, shard=s))
                 for s in shard_group_members(wc.shardgroup)
             ],
+            verdicts=regenerated_settled,
             model=target_model_files(),
         output:
             directory(os.path.join(R, "tokens/{dataset}/groups/{shardgroup}")),
@@ -52,7 +54,8 @@ else:
 
     rule tokens_from_group:
         input:
-            lambda wc: os.path.join(R, f"tokens/{wc.dataset}/groups/{shard_group_of(wc.shard)}"),
+            group=lambda wc: os.path.join(R, f"tokens/{wc.dataset}/groups/{shard_group_of(wc.shard)}"),
+            verdicts=regenerated_settled,
         output:
             tokens=os.path.join(R, "tokens/{dataset}/{shard}.parquet"),
             audit=os.path.join(R, "tokens/{dataset}/{shard}.audit.json"),
@@ -61,5 +64,5 @@ else:
         conda:
             ENV_CPU
         shell:
-            "(ln -f {input:q}/{wildcards.shard}.parquet {output.tokens:q} || cp {input:q}/{wildcards.shard}.parquet {output.tokens:q}) && "
-            "(ln -f {input:q}/{wildcards.shard}.audit.json {output.audit:q} || cp {input:q}/{wildcards.shard}.audit.json {output.audit:q}) > {log:q} 2>&1"
+            "(ln -f {input.group:q}/{wildcards.shard}.parquet {output.tokens:q} || cp {input.group:q}/{wildcards.shard}.parquet {output.tokens:q}) && "
+            "(ln -f {input.group:q}/{wildcards.shard}.audit.json {output.audit:q} || cp {input.group:q}/{wildcards.shard}.audit.json {output.audit:q}) > {log:q} 2>&1"

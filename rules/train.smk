@@ -38,6 +38,7 @@ rule train:
 rule export:
     input:
         drafter=os.path.join(R, "train/drafter"),
+        verdicts=settled,
         model=target_model_files(),
     output:
         directory(os.path.join(R, "drafter")),

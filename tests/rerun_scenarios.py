@@ -72,8 +72,9 @@ def rewrite_verdicts(work: Path, configfiles) -> tuple[str, ...]:
     """Every audit report, gate and the plan rewritten with the same verdict but other bytes (a newline more),
     as a rerun that decides the same would leave them: the gates, and what reads the plan, run again."""
     results = work / "results"
-    for rel in ("audit/source/report.json", "audit/regenerated/report.json", "audit/source/gate.ok",
-                "audit/regenerated/gate.ok", "plan.txt", "plan.json", "calibration/gate.ok"):
+    # the gates first, then what they read: newer reports than gates, as after a re-audit
+    for rel in ("audit/source/gate.ok", "audit/regenerated/gate.ok", "calibration/gate.ok",
+                "audit/source/report.json", "audit/regenerated/report.json", "plan.txt", "plan.json"):
         path = results / rel
         if path.exists():
             path.write_bytes(path.read_bytes() + b"\n")
