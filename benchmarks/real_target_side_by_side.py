@@ -319,7 +319,7 @@ def collect_workflow(results: Path, out: Path) -> None:
         "rule_seconds": rules,
         "generate": {"shards": len(runs), "completion_tokens": gen_tokens, "wall_s": gen_wall,
                      "tok_s_per_shard_sum": sum(r.get("completion_tokens_per_s", 0) for r in runs),
-                     "samples": sum(r.get("completed", 0) for r in runs)},
+                     "samples": sum(r.get("ok", 0) for r in runs)},
         "extract": [{k: e.get(k) for k in ("shard", "tokens", "tokens_per_s", "seconds")} for e in ext if e and "tokens" in e],
         "train": {"summary": read_json(results / "train" / "drafter" / "summary.json"),
                   "median_tokens_per_s": statistics.median(tps) if tps else None, "records": len(recs)},
