@@ -206,6 +206,14 @@ def _encode_or_reject(masker, keep: list, audit: ShardAudit) -> tuple[list, list
     return kept, samples
 
 
+def _row_count(path: str) -> int:
+    """Rows of a shard from its footer (for progress); a file that is not Parquet is one line naming it."""
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (OSError, pa.ArrowException) as exc:
+        raise PipelineError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+
+
 def read_conversations(path: str) -> pa.Table:
     """An ingested or completions shard; any other file is one line naming it and what is wrong."""
     try:
@@ -325,7 +333,7 @@ def run(args) -> int:
         os.makedirs(args.out_dir, exist_ok=True)
     tok = ShardTokenizer(args.model, args.max_length, args.enable_thinking, args.batch_size, args.trivial_tokens,
                          args.trust_remote_code)
-    total = sum(pq.ParquetFile(input_path).metadata.num_rows for input_path, _, _ in jobs)
+    total = sum(_row_count(input_path) for input_path, _, _ in jobs)
     progress = Progress(f"tokenize ({len(jobs)} shard{'s' if len(jobs) > 1 else ''})", total, "samples", log)
     for input_path, out, audit_path in jobs:
         audit = tok.shard(input_path, out, audit_path, progress)
