@@ -120,7 +120,8 @@ TABLE = [
     ("`generate.max_new_tokens`", "the calibration, the plan and its gate, every generate and what follows; "
      "not ingest nor the source tokenize", change_max_new_tokens),
     ("resources only (GPUs of train, extract and evaluate, nodes, memory, run time)",
-     "nothing (`generate.gpus` re-plans: the plan's GPU-hours)", change_resources),
+     "only the run's report (its GPU-hours); no stage (`generate.gpus` also re-plans: the plan's GPU-hours)",
+     change_resources),
     ("an operational knob: progress interval, timeouts, retries, journal flush, the list of running servers, "
      "encode threads", "nothing", change_operational),
 ]
