@@ -62,8 +62,11 @@ elif GEN["enabled"]:
             **GEN_RESOURCES,
         params:
             model=lambda wc, input: target_model_dir(input.model),
+            # the group's files are written under .partial and renamed at the end: a killed job (SIGKILL, no
+            # cleanup) leaves no directory that a rerun could take for complete; the journal keeps its samples
+            partial=lambda wc, output: output[0] + ".partial",
             outs=lambda wc, output: [
-                os.path.join(output[0], f"{s}.parquet") for s in generation_group_members(wc.gengroup)
+                os.path.join(output[0] + ".partial", f"{s}.parquet") for s in generation_group_members(wc.gengroup)
             ],
             journal=os.path.join(R, "completions/journal"),
             server_logs=lambda wc: log(f"generate/{wc.gengroup}.servers").removesuffix(".log"),
@@ -72,7 +75,8 @@ elif GEN["enabled"]:
             "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline generate --input {input.shards:q} --out {params.outs:q} --model {params.model:q} "
             "--journal-dir {params.journal:q} --server-log-dir {params.server_logs:q} --calibration {input.calibration:q} "
             "--settings {params.settings:q} "
-            '--runtime-settings "$DFLASH_GENERATE_RUNTIME" > {log:q} 2>&1'
+            '--runtime-settings "$DFLASH_GENERATE_RUNTIME" > {log:q} 2>&1 && '
+            "rm -rf {output:q} && mv {params.partial:q} {output:q}"
 
     rule completions_from_group:
         input:

@@ -21,7 +21,7 @@ from generation_helpers import (
     SERVER, SGLangTestServer, free_port, knob_env, read_completions, read_summary, write_shard,
 )
 from sglang_test_server import instant_answer
-from workflow_runs import make_workdir, planned, snakemake
+from workflow_runs import make_workdir, planned, snakemake, workflow_env
 
 FAST = ["--backoff-base", "0.02", "--backoff-max", "0.2", "--revive-after", "0.5", "--progress-interval", "0.5",
         "--max-new-tokens", "64"]
@@ -470,6 +470,33 @@ def test_workflow_plans_one_generation_job_per_group_of_shards(tmp_path, tiny_ta
     assert plan["generate_group"] == len(groups) and plan["completions_from_group"] == len(shards), plan
     for g in groups:
         assert f"results/completions/groups/{g}" in out
+    _killed_group_job_leaves_no_group_directory(work, configs, sorted(shards)[:2])
+
+
+def _killed_group_job_leaves_no_group_directory(work, configs, members):
+    """SIGKILL Snakemake and a generate_group job (no cleanup) once the job has written its first shard: the
+    group's directory must not exist (on the H200 a killed group's half-filled directory was taken for
+    complete by the next run), and the rerun completes every shard of the group."""
+    group = members[0].rsplit("-", 1)[0] + "-g00000"
+    partial = work / f"results/completions/groups/{group}.partial"
+    targets = [f"results/completions/{s}.parquet" for s in members]
+    cmd = [str(BIN / "snakemake"), *targets, "--profile", "profiles/local", "--cores", "1", "--configfile", *configs]
+    proc = subprocess.Popen(cmd, cwd=work, env=workflow_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    final = work / f"results/completions/groups/{group}"
+    written = lambda: list(partial.glob("*.parquet")) + list(final.glob("*.parquet"))  # noqa: E731
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and not written():
+        time.sleep(0.05)
+    assert proc.poll() is None, "the group job ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert written(), "killed before the group's first shard was written"
+    assert not final.exists(), f"a killed group job left {sorted(p.name for p in final.iterdir())}"
+    snakemake(work, "--unlock", configfiles=configs)
+    snakemake(work, *targets, configfiles=configs)
+    assert all((work / t).exists() for t in targets)
+    assert not partial.exists()
 
 
 # ------------------------------------------------------------------------------------------------------
