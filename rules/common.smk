@@ -1,3 +1,4 @@
+import contextlib
 import glob
 import json
 import os
@@ -214,13 +215,13 @@ def bench(name):
 
 
 def final_output():
-    """What the default target (`all`) builds: the source gate, the plan, the trained and exported drafter,
-    its evaluation and gate, and the run's summary for `snakemake --report`."""
+    """What the default target (`all`) builds: the source gate, the plan, the evaluation of the exported drafter
+    (which needs the trained and exported drafter) and its gate, and the run's summary for `snakemake --report`.
+    No directory output here: with S3 storage, the plugin (0.3.6) caches a directory's "is a directory" answer
+    from before the job made it, and `all` then fails on "missing in storage" after a complete run."""
     return [
         os.path.join(R, "audit/source/gate.ok"),
         os.path.join(R, "plan.txt"),
-        os.path.join(R, "train/drafter"),
-        os.path.join(R, "drafter"),
         os.path.join(R, "evaluate/report.json"),
         os.path.join(R, "evaluate/gate.ok"),
         os.path.join(R, "report/summary.html"),
@@ -296,7 +297,8 @@ def generation_backend_settings():
     """The backend's own settings for `generate` and `calibrate` (hf in-process, or sglang); the endpoints of
     backend `servers` are operational (generation_runtime_settings)."""
     if GEN["backend"] == "hf":
-        hf_keys = ("batch_size", "device", "dtype", "threads", "context_length", "max_batch_tokens", "cache")
+        # not threads: how fast, not what (generation_runtime_settings)
+        hf_keys = ("batch_size", "device", "dtype", "context_length", "max_batch_tokens", "cache")
         return {k: GEN_HF[k] for k in hf_keys if GEN_HF.get(k) not in (None, "")}
     if GEN["backend"] == "servers":
         if not GEN["servers"]:
@@ -320,7 +322,7 @@ def generate_settings():
 
 def generation_runtime_settings():
     """Knobs that change how a generation job runs, never what it writes (progress, timeouts, retries, journal
-    flushing and mirror, the running servers). Not a param, so changing one reruns nothing: the rules pass them
+    flushing and mirror, the running servers, the hf backend's CPU threads). Not a param, so changing one reruns nothing: the rules pass them
     through the environment (DFLASH_GENERATE_RUNTIME, set here, so every Snakemake process that runs a job has
     it) as `--runtime-settings "$DFLASH_GENERATE_RUNTIME"`."""
     mirror = GEN.get("journal_mirror") or ""
@@ -332,13 +334,27 @@ def generation_runtime_settings():
     names.update(request_timeout="request_timeout_s", all_down_timeout="all_down_timeout_s")
     runtime = {option: GEN[key] for option, key in names.items() if GEN.get(key) is not None}
     runtime["journal_mirror"] = mirror
+    if GEN["backend"] == "hf" and GEN_HF.get("threads"):
+        runtime["threads"] = GEN_HF["threads"]
     if GEN["backend"] == "servers":
         runtime["servers"] = GEN["servers"]
     return runtime
 
 
-# set (not read) here, in every Snakemake process that parses the workflow, so the jobs it starts inherit it
-os.environ.update(DFLASH_GENERATE_RUNTIME=json.dumps(generation_runtime_settings(), sort_keys=True))
+# how training and evaluation run on CPU, not what they write: not params either
+RUNTIME_ONLY = ("cpu_threads",)
+
+
+def runtime_settings(section):
+    return {k: config[section][k] for k in RUNTIME_ONLY if config[section].get(k) is not None}
+
+
+# set (not read) here, in every Snakemake process that parses the workflow, so the jobs it starts inherit them
+os.environ.update(
+    DFLASH_GENERATE_RUNTIME=json.dumps(generation_runtime_settings(), sort_keys=True),
+    DFLASH_TRAIN_RUNTIME=json.dumps(runtime_settings("train"), sort_keys=True),
+    DFLASH_EVALUATE_RUNTIME=json.dumps(runtime_settings("evaluate"), sort_keys=True),
+)
 
 
 def generation_gates(wildcards):
@@ -387,6 +403,32 @@ CALIBRATION_SAMPLE = os.path.join(R, "calibration/sample.parquet")
 GENERATION_GATE = os.path.join(R, "calibration/gate.ok")
 
 
+@contextlib.contextmanager
+def storage_copy(f):
+    """A local path to read a file that may live in storage (--default-storage-provider), or None when it does
+    not exist. Snakemake retrieves a job's inputs, not what an input function or a param reads: a storage
+    object is fetched here and its copy removed after (a copy left behind would go stale when another
+    process rewrites the object)."""
+    obj = getattr(f, "storage_object", None)
+    if obj is None:
+        yield str(f) if os.path.exists(f) else None
+        return
+    local = str(obj.local_path())
+    fetched = False
+    if not os.path.exists(local):
+        if not obj.exists():
+            yield None
+            return
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        obj.retrieve_object()
+        fetched = True
+    try:
+        yield local
+    finally:
+        if fetched:
+            os.remove(local)
+
+
 def calibration_sample_settings():
     return {k: CALIBRATE.get(k, v) for k, v in (("samples", 256), ("warmup_requests", 8), ("seed", 0))}
 
@@ -398,7 +440,8 @@ def calibration_shards():
     from dflash_pipeline.planning.calibration_sample import drawn_from  # pyarrow: only when asked
 
     current = shard_ids()
-    drawn = drawn_from(CALIBRATION_SAMPLE)
+    with storage_copy(rules.calibration_sample.output[0]) as path:
+        drawn = drawn_from(path) if path else None
     if drawn and drawn["settings"] == calibration_sample_settings() and drawn["full"]:
         if set(drawn["shards"]) <= set(current):
             return drawn["shards"]
@@ -426,9 +469,8 @@ def calibration_sample_identity(wildcards):
     from dflash_pipeline.planning.calibration_sample import sample_identity
 
     manifest()  # as calibration_sample_input asks: the same checkpoint pending first
-    sample = checkpoints.calibration_sample.get().output[0]
-    with sample.open("rb") as fh:  # the local copy, also under S3 storage (as manifest() reads the manifest)
-        return sample_identity(fh)
+    with storage_copy(checkpoints.calibration_sample.get().output[0]) as path:
+        return sample_identity(path)
 
 
 def calibration_settings():
@@ -506,7 +548,7 @@ def train_settings():
         mirror = f"{prefix.rstrip('/')}/{R}/train/checkpoints"
     return stage_settings(
         "train",
-        drop=("checkpoint_mirror",),
+        drop=("checkpoint_mirror", *RUNTIME_ONLY),
         **drafter,
         checkpoint_mirror=mirror,
         holdout_fraction=config["evaluate"]["holdout_fraction"],

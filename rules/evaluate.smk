@@ -25,12 +25,13 @@ rule evaluate:
         mem_mb=EVAL["mem_mb"],
     params:
         model=lambda wc, input: target_model_dir(input.model),
-        settings=stage_settings("evaluate", drop=("prompts_file",), **TRUST),
+        settings=stage_settings("evaluate", drop=("prompts_file", *RUNTIME_ONLY), **TRUST),
         prompts=lambda wc, input: f"--prompts-file {shlex.quote(input.prompts[0])}" if input.prompts else "",
     shell:
         "dflash-pipeline with-gpus --n {resources.gpu} -- "
         "dflash-pipeline evaluate --drafter {input.drafter:q} --model {params.model:q} --tokens {input.tokens:q} "
-        "--settings {params.settings:q} {params.prompts} --out {output.report:q} --plot {output.plot:q} "
+        '--settings {params.settings:q} --runtime-settings "$DFLASH_EVALUATE_RUNTIME" {params.prompts} '
+        "--out {output.report:q} --plot {output.plot:q} "
         "> {log:q} 2>&1"
 
 

@@ -32,7 +32,8 @@ rule train:
         "dflash-pipeline with-gpus --n {resources.gpus_per_node} -- "
         "dflash-pipeline launch-torchrun --nproc-per-node auto --nnodes {resources.nnodes} -- "
         "dflash-pipeline train --inputs {input.data:q} --model {params.model:q} --out {output:q} "
-        "--checkpoint-dir {params.checkpoints:q} --settings {params.settings:q} > {log:q} 2>&1"
+        "--checkpoint-dir {params.checkpoints:q} --settings {params.settings:q} "
+        '--runtime-settings "$DFLASH_TRAIN_RUNTIME" > {log:q} 2>&1'
 
 
 rule export:

@@ -99,7 +99,8 @@ change_operational = config_change(
     "operational.yaml",
     "generate:\n  progress_interval_s: 3\n  request_timeout_s: 60\n  all_down_timeout_s: 30\n  max_retries: 2\n"
     "  empty_retries: 3\n  retry_failed: false\n  journal_flush_every: 4\n"
-    "  servers: ['http://127.0.0.1:30000']\nextract:\n  encode_threads: 1\n")
+    "  servers: ['http://127.0.0.1:30000']\n  hf:\n    threads: 1\nextract:\n  encode_threads: 1\ntrain:\n  cpu_threads: 2\n"
+    "evaluate:\n  cpu_threads: 2\n")
 
 
 # (what you change, what reruns, the change): the README table's rows, in its order
@@ -123,7 +124,7 @@ TABLE = [
      "only the run's report (its GPU-hours); no stage (`generate.gpus` also re-plans: the plan's GPU-hours)",
      change_resources),
     ("an operational knob: progress interval, timeouts, retries, journal flush, the list of running servers, "
-     "encode threads", "nothing", change_operational),
+     "CPU threads (hf generation, encode, train, evaluate)", "nothing", change_operational),
 ]
 
 
