@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -33,6 +34,9 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from real_target_side_by_side import first_turn_records  # noqa: E402  (the same ShareGPT first turns)
+
+sys.path.insert(0, str(REPO / "tests"))
+from rerun_scenarios import FINISHED  # noqa: E402  (Snakemake's "Finished jobid: N (Rule: r)" lines)
 
 from dflash_pipeline.package_paths import resolve as resolve_package_path  # noqa: E402
 
@@ -87,20 +91,8 @@ def run_workflow(a, work: Path, configfiles: list[Path], logfile: Path) -> float
 
 
 def jobs_run(logfile: Path, since: int) -> dict:
-    """{rule: jobs} of the Snakemake run that wrote `logfile` from byte `since` (its 'Job stats' table)."""
-    text = logfile.read_text(errors="replace")[since:]
-    counts, inside = {}, False
-    for line in text.splitlines():
-        if line.startswith("Job stats:"):
-            inside, counts = True, {}
-            continue
-        if inside:
-            parts = line.split()
-            if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("job", "total"):
-                counts[parts[0]] = int(parts[1])
-            elif not parts and counts:
-                inside = False
-    return counts
+    """{rule: jobs} that the Snakemake run writing `logfile` from byte `since` finished."""
+    return dict(Counter(FINISHED.findall(logfile.read_text(errors="replace")[since:])))
 
 
 def collect(work: Path, name: str, variant: dict, wall: float, jobs: dict) -> dict:

@@ -190,13 +190,16 @@ def training_dataset():
 # Keys that size a job rather than change its output: kept out of the settings (and out of params), so that
 # moving a run to more GPUs or memory reruns nothing.
 RESOURCE_KEYS = frozenset({"gpus", "nodes", "mem_mb", "runtime_min"})
+# how train and evaluate run on CPU, not what they write: not params either (runtime_settings)
+RUNTIME_ONLY = ("cpu_threads",)
 
 
 def stage_settings(section, keys=None, drop=(), **extra):
     """A config section as the one `--settings` JSON its stage takes, and the rule's one output-changing param:
-    `keys` picks keys (default: all but resources and `drop`), `extra` adds or renames."""
+    `keys` picks keys (default: all but resources, runtime-only knobs and `drop`), `extra` adds or renames."""
     values = config[section] if section else {}
-    wanted = keys if keys is not None else [k for k in values if k not in RESOURCE_KEYS and k not in drop]
+    skip = RESOURCE_KEYS.union(RUNTIME_ONLY, drop)
+    wanted = keys if keys is not None else [k for k in values if k not in skip]
     settings = {k: values[k] for k in wanted if k in values}
     settings.update(extra)
     return json.dumps(settings, sort_keys=True, default=str)
@@ -339,10 +342,6 @@ def generation_runtime_settings():
     if GEN["backend"] == "servers":
         runtime["servers"] = GEN["servers"]
     return runtime
-
-
-# how training and evaluation run on CPU, not what they write: not params either
-RUNTIME_ONLY = ("cpu_threads",)
 
 
 def runtime_settings(section):
@@ -548,7 +547,7 @@ def train_settings():
         mirror = f"{prefix.rstrip('/')}/{R}/train/checkpoints"
     return stage_settings(
         "train",
-        drop=("checkpoint_mirror", *RUNTIME_ONLY),
+        drop=("checkpoint_mirror",),
         **drafter,
         checkpoint_mirror=mirror,
         holdout_fraction=config["evaluate"]["holdout_fraction"],

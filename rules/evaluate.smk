@@ -25,7 +25,7 @@ rule evaluate:
         mem_mb=EVAL["mem_mb"],
     params:
         model=lambda wc, input: target_model_dir(input.model),
-        settings=stage_settings("evaluate", drop=("prompts_file", *RUNTIME_ONLY), **TRUST),
+        settings=stage_settings("evaluate", drop=("prompts_file",), **TRUST),
         prompts=lambda wc, input: f"--prompts-file {shlex.quote(input.prompts[0])}" if input.prompts else "",
     shell:
         "dflash-pipeline with-gpus --n {resources.gpu} -- "
