@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 CORES ?= 2
+# pytest-xdist workers of `make test` (tests/conftest.py orders the work for two)
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test clean-demo
 
@@ -25,7 +27,7 @@ demo: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH snakemake --cores $(CORES) --profile profiles/local --quiet rules host
 
 test: setup
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 clean-demo:
 	rm -rf results resources data/demo .snakemake

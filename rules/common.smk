@@ -6,6 +6,7 @@ import re
 import shlex
 import shutil
 import sys
+import tempfile
 
 from snakemake.resources import Resources
 from snakemake.utils import validate
@@ -406,26 +407,29 @@ GENERATION_GATE = os.path.join(R, "calibration/gate.ok")
 def storage_copy(f):
     """A local path to read a file that may live in storage (--default-storage-provider), or None when it does
     not exist. Snakemake retrieves a job's inputs, not what an input function or a param reads: a storage
-    object is fetched here and its copy removed after (a copy left behind would go stale when another
-    process rewrites the object)."""
+    object is downloaded here to a private temporary file, never to its local copy's path, which belongs to
+    the job that writes it (the DAG is re-evaluated while jobs run) and would go stale if left behind."""
     obj = getattr(f, "storage_object", None)
     if obj is None:
         yield str(f) if os.path.exists(f) else None
         return
     local = str(obj.local_path())
-    fetched = False
-    if not os.path.exists(local):
-        if not obj.exists():
-            yield None
-            return
-        os.makedirs(os.path.dirname(local), exist_ok=True)
-        obj.retrieve_object()
-        fetched = True
-    try:
+    if os.path.exists(local):  # a job of this run wrote or retrieved it: the current version
         yield local
-    finally:
-        if fetched:
-            os.remove(local)
+        return
+    if not obj.exists():
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="dflash-storage-") as tmp:
+        copy = os.path.join(tmp, os.path.basename(local))
+        download = getattr(obj, "s3obj", None)  # the S3 plugin's object: download anywhere
+        if download is not None:
+            download().download_file(copy)
+        else:  # other plugins only retrieve to the local path: move it out at once
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            obj.retrieve_object()
+            shutil.move(local, copy)
+        yield copy
 
 
 def calibration_sample_settings():

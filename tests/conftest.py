@@ -101,3 +101,19 @@ def s3_server():
     yield url, client
     proc.terminate()
     proc.wait(timeout=10)
+
+
+
+# `make test` runs the suite on two pytest-xdist workers (--dist loadfile --no-loadscope-reorder): a test file is
+# one unit of work, so its module-scoped fixtures (the incremental tests' finished run, the real target's
+# import) are built once. The longest files go first: SLURM's end to end (mostly waiting on the scheduler) to
+# one worker, the incremental tests to the other, S3's end to end after SLURM's; the rest fill in.
+LONGEST_FIRST = ("test_slurm_e2e", "test_incremental", "test_s3_e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.module.__name__
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order

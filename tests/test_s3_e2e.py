@@ -4,6 +4,7 @@ made again alone."""
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import pytest
@@ -38,7 +39,14 @@ def test_pipeline_on_s3(s3_server, tmp_path):
 
     def run(*args, **kw):
         # targets first: --storage-s3-endpoint-url takes several values and would swallow them
-        return snakemake(workdir, *args, *s3, env=env, **kw)
+        since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=2)
+        proc = snakemake(workdir, *args, *s3, env=env, check=False, **kw)
+        if proc.returncode != 0:  # the jobs' logs are objects: show those this run wrote
+            logs = {k: client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/{k}")["Body"].read().decode(errors="replace")
+                    for k, stamp in _objects(client).items() if k.startswith("results/logs/") and stamp >= since}
+            pytest.fail(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                        f"{proc.stderr[-8000:]}\n" + "\n".join(f"--- {k}\n{v[-3000:]}" for k, v in sorted(logs.items())))
+        return proc
 
     t0 = time.monotonic()
     run("--cores", "2")
