@@ -98,14 +98,22 @@ def _quarantine_entry(name: str, rec: RawRecord, reason: str) -> str:
             raw = safe_text(json.dumps(rec.value, ensure_ascii=False))
         except (ValueError, RecursionError):  # e.g. an integer too long to print
             raw = safe_text(repr(rec.value)[:1000])
-    return _json_line({"file": name, "record_index": rec.index, "byte_offset": rec.offset, "reason": reason,
-                       "record": raw})
+    entry = {"file": name, "record_index": rec.index, "byte_offset": rec.offset, "reason": reason, "record": raw}
+    if rec.end is not None:  # a damaged span of a JSON array: exactly which bytes were set aside
+        entry["byte_range"] = [rec.offset, rec.end]
+    return _json_line(entry)
 
 
 def _read_file(path, name, max_record_bytes, writer, qfh, result, max_records: int = 0,
-               excluded: dict | None = None, dropped: list | None = None) -> Counter:
+               excluded: dict | None = None, dropped: list | None = None, salvage: bool = False) -> Counter:
     counts: Counter[str] = Counter()
     for rec in iter_raw_records(path, result, max_record_bytes):
+        if result.count_only:  # past damage without salvage: only count what follows, for the error
+            counts["after_damage"] += 1
+            continue
+        if rec.end is not None and not salvage:
+            result.count_only = True  # the records after it are counted by the scan, not parsed
+            continue
         if max_records and counts["read"] >= max_records:
             counts["not_read"] = 1  # the rest of the file is not read (a sized run): said in the stats
             break
@@ -148,16 +156,25 @@ def ingest_file(
     with atomic_open(out_quarantine, "w", encoding="utf-8") as qfh, atomic_path(out_records) as tmp:
         writer = _RecordsWriter(tmp)
         try:
-            counts = _read_file(path, name, max_record_bytes, writer, qfh, result, max_records, excluded, dropped)
+            counts = _read_file(path, name, max_record_bytes, writer, qfh, result, max_records, excluded, dropped,
+                                on_corrupt == "salvage")
         except BaseException:
             writer.abort()
             raise
         writer.close()
+        compressed = result.compression != "none"
+        if result.spans and on_corrupt != "salvage":
+            span = result.spans[0]
+            raise CorruptInputError(name, span.offset, counts["read"], span.reason, compressed, "damaged",
+                                    counts["after_damage"])
         if result.damage is not None:
             if on_corrupt != "salvage":
-                raise CorruptInputError(name, result.damage.offset, counts["read"], result.damage.reason)
-            log.warning("%s: damaged at byte %d (%s); salvaged %d complete records before it",
-                        name, result.damage.offset, result.damage.reason, counts["read"])
+                raise CorruptInputError(name, result.damage.offset, counts["read"], result.damage.reason, compressed,
+                                        result.damage.kind)
+            log.warning("%s: %s at byte %d (%s); salvaged %d complete records before it", name,
+                        result.damage.kind, result.damage.offset, result.damage.reason, counts["read"])
+        for span in result.spans:
+            log.warning("%s: %s", name, span.reason)
     stats = _stats(name, result, counts)
     if exclude_prompts:
         stats["decontamination"] = {"prompt_files": list(exclude_prompts), "prompts": len(excluded),
@@ -186,11 +203,20 @@ def _stats(name: str, result: ReadResult, counts: Counter) -> dict:
         "quarantine_reasons": dict(reasons.most_common()),
         "damage": None if damage is None else {
             "byte_offset": damage.offset,
+            "kind": damage.kind,
             "reason": damage.reason,
             "salvaged_records": read,
-            "note": "records after the damage could not be read and are lost",
+            "note": DAMAGE_NOTES[damage.kind],
         },
+        "damaged_spans": [{"byte_range": [s.offset, s.end], "reason": s.reason} for s in result.spans],
     }
+
+
+DAMAGE_NOTES = {
+    "truncated": "the file is cut short here: no records follow the damage",
+    "corrupt": "the compressed data is corrupt here: the records after it cannot be decompressed (how many is unknown)",
+    "trailing data": "every record of the array was read; the data after its closing ']' is ignored",
+}
 
 
 def _reason_kind(reason: str) -> str:

@@ -3,19 +3,21 @@
 Both readers work on bytes: a record's offset is counted, never recomputed by re-encoding text, and each
 record is parsed on its own, so one bad record (invalid UTF-8, a lone surrogate, a 5000-digit integer,
 200k-deep nesting, a record over `max_record_bytes`) is reported as that record's error while the file goes
-on. Only damage to the container itself (a truncated or corrupt stream, garbage between array elements)
-ends the file; it is reported in `ReadResult.damage` with the offset in the decompressed stream, after
-every complete record before it was handed out.
+on. Damage inside a JSON array (a lost quote, a stray bracket, garbage between elements) costs the damaged
+bytes: the reader resyncs at the next record and reports the span in `ReadResult.spans`. Only a stream that
+ends or breaks (truncated or corrupt compressed data) ends the file; it is reported in `ReadResult.damage`
+with the offset in the (decompressed) stream, after every complete record before it was handed out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Iterator
 
 import zstandard
@@ -49,12 +51,15 @@ class RawRecord:
     value: object = None  # the parsed JSON value, or None when `error` is set
     error: str | None = None  # why the record could not be parsed
     raw: str | None = None  # (a prefix of) the raw text, for the quarantine file when parsing failed
+    end: int | None = None  # for a damaged span of a JSON array: the offset where it ends
 
 
 @dataclass
 class Damage:
     offset: int
     reason: str
+    kind: str = "truncated"  # truncated | corrupt (compressed data) | damaged (a span resynced past) | trailing data
+    end: int | None = None
 
 
 @dataclass
@@ -62,6 +67,8 @@ class ReadResult:
     damage: Damage | None = None
     container: str = "jsonl"
     compression: str = "none"
+    spans: list = field(default_factory=list)  # damaged spans of a JSON array that the reader resynced past
+    count_only: bool = False  # set by the caller once it only counts what follows: records are not parsed
 
 
 class _CountingReader:
@@ -130,6 +137,11 @@ class _Decompressor:
 DECOMPRESSION_ERRORS = (EOFError, OSError, zlib.error, zstandard.ZstdError)
 
 
+def decompression_damage(offset: int, reason: str) -> Damage:
+    """A compressed stream that breaks: cut short (truncated) or corrupt (nothing after it can be decoded)."""
+    return Damage(offset, reason, kind="truncated" if "before its end marker" in reason else "corrupt")
+
+
 def _decompressed(path: str, fh: IO[bytes]) -> tuple[IO[bytes], str]:
     name = path.lower()
     if name.endswith(".gz"):
@@ -141,14 +153,22 @@ def _decompressed(path: str, fh: IO[bytes]) -> tuple[IO[bytes], str]:
 
 def parse_record(data: bytes) -> tuple[object, str | None]:
     """(value, None) or (None, reason): every way one record's bytes can fail to be JSON, as a reason."""
+    value, error, _ = _parse(data)
+    return value, error
+
+
+def _parse(data: bytes) -> tuple[object, str | None, bool]:
+    """parse_record, and whether the failure is a syntax error (bytes that may not be this record's own)."""
     try:
-        return json.loads(data), None
+        return json.loads(data), None, False
     except RecursionError:
-        return None, "invalid JSON: nested too deeply to parse"
+        return None, "invalid JSON: nested too deeply to parse", False
     except UnicodeDecodeError as exc:
-        return None, f"invalid UTF-8 at byte {exc.start} of the record ({exc.reason})"
-    except ValueError as exc:  # JSONDecodeError, and integers over Python's digit limit
-        return None, f"invalid JSON: {exc}"
+        return None, f"invalid UTF-8 at byte {exc.start} of the record ({exc.reason})", False
+    except json.JSONDecodeError as exc:
+        return None, f"invalid JSON: {exc}", True
+    except ValueError as exc:  # integers over Python's digit limit
+        return None, f"invalid JSON: {exc}", False
 
 
 def safe_text(raw) -> str:
@@ -160,27 +180,46 @@ def iter_raw_records(path: str, result: ReadResult, max_record_bytes: int) -> It
     """Yield every record of the file; on damage, set `result.damage` and stop (the caller decides).
     A local file that changed while it was read (rewritten in place, replaced, grown or cut) is an error
     after the last record: its records would mix two versions (S3 GETs read one object version)."""
-    with open_binary(path) as fh:
+    with open_binary(path) as fh, contextlib.ExitStack() as reopened:
         before = _file_identity(path, fh)
-        yield from _records(path, fh, result, max_record_bytes)
+        yield from _records(path, fh, result, max_record_bytes, lambda at: _reopen(path, at, reopened))
         if before is not None:
             _check_unchanged(path, fh, before)
 
 
-def _records(path: str, fh, result: ReadResult, max_record_bytes: int) -> Iterator[RawRecord]:
+def _reopen(path: str, offset: int, stack: contextlib.ExitStack) -> _CountingReader:
+    """The file read again from `offset` of its (decompressed) stream: a resync goes back to where damage
+    started once those bytes are no longer held. Local plain files seek; others are read up to there."""
+    fh = stack.enter_context(open_binary(path))
+    stream, _ = _decompressed(path, fh)
+    skip = offset
+    if stream is fh and getattr(fh, "seekable", lambda: False)():
+        fh.seek(offset)
+        skip = 0
+    reader = _CountingReader(stream)
+    while skip:
+        data = reader.read(min(CHUNK, skip))
+        if not data:
+            break
+        skip -= len(data)
+    reader.offset = offset
+    return reader
+
+
+def _records(path: str, fh, result: ReadResult, max_record_bytes: int, reopen) -> Iterator[RawRecord]:
     stream, result.compression = _decompressed(path, fh)
     reader = _CountingReader(stream)
     try:
         first = reader.read(CHUNK)
     except DECOMPRESSION_ERRORS as exc:
-        result.damage = Damage(0, f"cannot decompress ({result.compression}): {exc}")
+        result.damage = decompression_damage(0, f"cannot decompress ({result.compression}): {exc}")
         return
     head = first.lstrip()
     if head.startswith(b"\xef\xbb\xbf"):  # UTF-8 BOM
         head = head[3:].lstrip()
     result.container = "json-array" if head.startswith(b"[") else "jsonl"
     if result.container == "json-array":
-        yield from _ArrayReader(reader, first, result, max_record_bytes).records()
+        yield from _ArrayReader(reader, first, result, max_record_bytes, reopen).records()
     else:
         yield from _iter_jsonl(reader, first, result, max_record_bytes)
 
@@ -247,7 +286,7 @@ def _iter_lines(reader: _CountingReader, first: bytes, result: ReadResult, limit
         try:
             more = reader.read(CHUNK)
         except DECOMPRESSION_ERRORS as exc:
-            result.damage = Damage(reader.offset, f"decompression failed: {exc}")
+            result.damage = decompression_damage(reader.offset, f"decompression failed: {exc}")
             return
         eof = not more
         buf += more
@@ -272,24 +311,54 @@ def _iter_jsonl(reader: _CountingReader, first: bytes, result: ReadResult, limit
 
 
 class _Incomplete(Exception):
-    """The stream ended (or broke) inside the value being scanned."""
+    """The stream ended inside the value being scanned."""
+
+
+class _Fatal(Exception):
+    """The decompressed stream broke: nothing after this point can be read."""
 
 
 class _Mismatch(Exception):
     """A closing bracket that does not match: the container is broken from here on."""
 
 
+class _TooLong(Exception):
+    """A resync candidate runs past max_record_bytes: not taken as a record."""
+
+
+class _Broken(Exception):
+    """The record (or the gap between records) at stream offset `start` is damaged; `scanner_end`: where the
+    scanner thought a balanced but unparsable record ended (the resync tells whether it was right)."""
+
+    def __init__(self, start: int, detail: str, scanner_end: int | None = None, eof: bool = False):
+        super().__init__(detail)
+        self.start, self.detail, self.scanner_end, self.eof = start, detail, scanner_end, eof
+
+
+_BOUNDARY = re.compile(rb"[,\]]")
+_RECORD_KEYS = ("conversations", "messages", "conversation")  # what a top-level record holds (normalize_record)
+
+
 class _ArrayReader:
     """The elements of a top-level JSON array, found by a byte scanner (brackets, strings) and parsed one by
     one. The scanner's state (bracket stack, inside a string) carries over buffer refills, so an element over
     `max_record_bytes` is skipped while it streams past: positions of the element's start go negative once
-    its head has been dropped, and `end - start` is still its size."""
+    its head has been dropped, and `end - start` is still its size.
 
-    def __init__(self, reader: _CountingReader, first: bytes, result: ReadResult, limit: int):
-        self.reader, self.result, self.limit = reader, result, limit
+    Damage inside the array (a lost quote flips what the scanner sees as strings, a stray bracket, garbage
+    between records) costs the damaged bytes only: the reader goes back to where the damage starts (reopening
+    the file when those bytes are no longer held) and resyncs at the next record boundary at array depth 1, a
+    `,` followed by a complete value that parses, looks like the file's records (same first key) and is
+    followed by `,` or `]`; or the array's final `]`. Only a stream that ends inside the damage is a truncation."""
+
+    def __init__(self, reader: _CountingReader, first: bytes, result: ReadResult, limit: int, reopen=None):
+        self.reader, self.result, self.limit, self.reopen = reader, result, limit, reopen
         self.buf, self.base, self.eof = first, 0, False
         self.pos = first.index(b"[") + 1
         self.at = 0  # stream offset of what is being read now, for damage reports
+        self.index, self.expect_comma = 0, False
+        self.first_keys: set = set()  # the first key of the records read (resync candidates must share it)
+        self.where = " of the decompressed stream" if result.compression != "none" else ""
 
     def _more(self, keep_from: int) -> int:
         """Drop buf[:keep_from] and read a chunk; returns the shift of positions. _Incomplete at the end."""
@@ -301,35 +370,46 @@ class _ArrayReader:
             data = self.reader.read(CHUNK)
         except DECOMPRESSION_ERRORS as exc:
             self.at = self.reader.offset
-            raise _Incomplete(f"decompression failed: {exc}") from None
+            raise _Fatal(f"decompression failed: {exc}") from None
         self.eof = not data
         self.buf += data
         return keep_from
 
     def records(self) -> Iterator[RawRecord]:
-        index, expect_comma = 0, False
         try:
             while True:
-                if expect_comma and (m := _COMMA.match(self.buf, self.pos)) is not None:
-                    self.pos, expect_comma = m.end(), False  # the usual case: `,` and the next record
-                self._skip_space()
-                self.at = self.base + self.pos
-                if self.pos >= len(self.buf):
-                    raise _Incomplete("file ends inside the JSON array (no closing ']')")
-                ch = self.buf[self.pos]
-                if ch == _END:
-                    return self._check_tail()
-                if expect_comma or ch == _COMMA_CHAR:
-                    if ch != _COMMA_CHAR or not expect_comma:
-                        raise _Mismatch(f"expected a record, ',' or ']', found {chr(ch)!r}")
-                    self.pos, expect_comma = self.pos + 1, False
-                    continue
-                if ch not in _CLOSER and ch != _QUOTE and ch not in _SCALAR_START:
-                    raise _Mismatch(f"invalid JSON: unexpected {chr(ch)!r} where a record starts")
-                yield self._record(index)
-                index, expect_comma = index + 1, True
-        except (_Incomplete, _Mismatch) as exc:
-            self.result.damage = Damage(self.at, str(exc))
+                try:
+                    yield from self._scan()
+                    return
+                except _Broken as exc:
+                    resumed = yield from self._recover(exc)
+                    if not resumed:
+                        return
+        except _Incomplete as exc:  # between records: the array's `]` is missing
+            self.result.damage = Damage(self.at, f"{exc}: the file is truncated", kind="truncated")
+        except _Fatal as exc:
+            self.result.damage = decompression_damage(self.at, str(exc))
+
+    def _scan(self) -> Iterator[RawRecord]:
+        while True:
+            if self.expect_comma and (m := _COMMA.match(self.buf, self.pos)) is not None:
+                self.pos, self.expect_comma = m.end(), False  # the usual case: `,` and the next record
+            self._skip_space()
+            self.at = self.base + self.pos
+            if self.pos >= len(self.buf):
+                raise _Incomplete(f"file ends after record {self.index - 1} without the array's closing ']'")
+            ch = self.buf[self.pos]
+            if ch == _END:
+                return self._check_tail()
+            if self.expect_comma or ch == _COMMA_CHAR:
+                if ch != _COMMA_CHAR or not self.expect_comma:
+                    raise _Broken(self.at, f"expected ',' or ']' after a record, found {chr(ch)!r}")
+                self.pos, self.expect_comma = self.pos + 1, False
+                continue
+            if ch not in _CLOSER and ch != _QUOTE and ch not in _SCALAR_START:
+                raise _Broken(self.at, f"unexpected {chr(ch)!r} where a record starts")
+            yield self._record()
+            self.index, self.expect_comma = self.index + 1, True
 
     def _skip_space(self) -> None:
         while True:
@@ -338,24 +418,131 @@ class _ArrayReader:
                 return
             self.pos -= self._more(self.pos)
 
-    def _record(self, index: int) -> RawRecord:
+    def _record(self) -> RawRecord:
         offset, head = self.at, self.buf[self.pos:self.pos + 1000]
         try:
             start, end = self._value_end(self.pos)
-        except _Incomplete as exc:
-            if not str(exc).startswith("decompression"):
-                exc.args = (f"file ends inside record {index} (starting at byte {offset})",)
-                self.at = offset
-            raise
+        except _Incomplete:
+            raise _Broken(offset, "its quotes or brackets do not balance (scanned to the end of the file without "
+                          "closing it)", eof=True) from None
+        except _Mismatch as exc:
+            raise _Broken(offset, str(exc)) from None
         self.pos = end
         if end - start > self.limit:
-            return _too_big(index, offset, end - start, self.limit, head)
+            return _too_big(self.index, offset, end - start, self.limit, head)
+        if self.result.count_only:
+            return RawRecord(self.index, offset)
         data = self.buf[start:end]
-        value, error = parse_record(data)
-        return RawRecord(index, offset, value=value, error=error, raw=None if error is None else safe_text(data))
+        value, error, syntax = _parse(data)
+        if syntax:
+            raise _Broken(offset, error, scanner_end=self.base + end)
+        self._learn(value)
+        return RawRecord(self.index, offset, value=value, error=error, raw=None if error is None else safe_text(data))
 
-    def _value_end(self, start: int) -> tuple[int, int]:
-        """(start, end) in buf of the value at `start` (start < 0 once an over-limit value's head is dropped)."""
+    def _learn(self, value) -> None:
+        if isinstance(value, dict) and value and len(self.first_keys) < 16:
+            self.first_keys.add(next(iter(value)))
+
+    def _looks_like_record(self, value) -> bool:
+        if not isinstance(value, dict) or not value:
+            return False
+        if self.first_keys:
+            return next(iter(value)) in self.first_keys
+        return any(k in value for k in _RECORD_KEYS)
+
+    def _recover(self, exc: _Broken):
+        """Resync after the damage at `exc.start`; yield the damaged span (quarantined) and the record found
+        after it. False when the stream ends inside the damage (a truncation)."""
+        found = self._resync(exc.start)
+        if found is None:
+            kind = "ends inside" if exc.eof else "ends inside the damage that starts at"
+            self.result.damage = Damage(exc.start, f"the file {kind} record {self.index} (starting at byte "
+                                        f"{exc.start}{self.where}): it is truncated", kind="truncated")
+            return False
+        span_end, candidate = found
+        text = self._span_text(exc.start, span_end)
+        if exc.scanner_end is not None and span_end == exc.scanner_end:  # a balanced record that is not JSON
+            yield RawRecord(self.index, exc.start, error=exc.detail, raw=safe_text(text))
+        else:
+            after = f"reading resumed at the next record, byte {candidate[0]}" if candidate else "the array ends after it"
+            reason = (f"invalid JSON (damaged record, bytes {exc.start}-{span_end}{self.where}): {exc.detail}; "
+                      f"{after}")
+            self.result.spans.append(Damage(exc.start, reason, kind="damaged", end=span_end))
+            yield RawRecord(self.index, exc.start, error=reason, raw=safe_text(text), end=span_end)
+        self.index += 1
+        if candidate is None:
+            return False
+        offset, value, data = candidate
+        self._learn(value)
+        yield RawRecord(self.index, offset, value=value)
+        self.index, self.expect_comma = self.index + 1, True
+        return True
+
+    def _seek(self, offset: int) -> None:
+        """Scan from stream offset `offset` again: in the buffer while it is held, else from a reopened file."""
+        if self.base <= offset <= self.base + len(self.buf):
+            self.pos = offset - self.base
+            return
+        self.reader, self.buf, self.base, self.pos, self.eof = self.reopen(offset), b"", offset, 0, False
+
+    def _span_text(self, start: int, end: int) -> bytes:
+        want = min(end - start, RAW_TEXT_LIMIT)
+        if self.base <= start and start + want <= self.base + len(self.buf):
+            return self.buf[start - self.base:start - self.base + want]
+        reader = self.reopen(start)
+        return reader.read(want)
+
+    def _resync(self, start: int):
+        """(end of the damaged span, (offset, value, bytes) of the next record or None at the array's end), or
+        None when the stream ends first."""
+        self._seek(start + 1)
+        while True:
+            m = _BOUNDARY.search(self.buf, self.pos)
+            if m is None:
+                if self.eof:
+                    return None
+                held = len(self.buf)
+                keep = max(self.pos, held - 64)  # a little before: the span's trailing spaces
+                self._more(keep)
+                self.pos = held - keep
+                continue
+            k = e = m.start()
+            while e > 0 and self.buf[e - 1] in b" \t\r\n":
+                e -= 1
+            span_end, is_end = max(self.base + e, start + 1), self.buf[k] == _END
+            self.pos = k + 1
+            self._skip_space()
+            if self.pos >= len(self.buf):  # the stream ends: after the array's `]`, or cut short
+                return (span_end, None) if is_end else None
+            if is_end:
+                continue  # a `]` inside the damage: the array's end only when nothing but spaces follows
+            candidate = self._candidate()
+            if candidate is not None:
+                return span_end, candidate
+
+    def _candidate(self):
+        """The record at self.pos if it is one (see the class doc); else None, with self.pos just past its start."""
+        c = self.base + self.pos
+        if self.buf[self.pos] not in _CLOSER and self.buf[self.pos] != _QUOTE and self.buf[self.pos] not in _SCALAR_START:
+            return None
+        try:
+            s, e = self._value_end(self.pos, bounded=True)
+        except (_Incomplete, _Mismatch, _TooLong):
+            self.pos = c - self.base + 1
+            return None
+        data = self.buf[s:e]
+        value, error, _ = _parse(data)
+        if error is None and self._looks_like_record(value):
+            self.pos = e
+            self._skip_space()
+            if self.pos >= len(self.buf) or self.buf[self.pos] in (_COMMA_CHAR, _END):
+                return c, value, data
+        self.pos = c - self.base + 1
+        return None
+
+    def _value_end(self, start: int, bounded: bool = False) -> tuple[int, int]:
+        """(start, end) in buf of the value at `start` (start < 0 once an over-limit value's head is dropped).
+        `bounded`: _TooLong instead of streaming past a value over the limit."""
         if self.buf[start] in _SCALAR_START:
             return self._scalar_end(start)
         # one regex call per bracket: strings are skipped inside the regex engine
@@ -382,12 +569,13 @@ class _ArrayReader:
                         stack.append(_CLOSER[c])
                         continue
                     if not stack or stack.pop() != c:
-                        self.at = self.base + scan - 1
-                        raise _Mismatch(f"invalid JSON: unmatched {chr(c)!r} inside a record")
+                        raise _Mismatch(f"unmatched {chr(c)!r} at byte {self.base + scan - 1}{self.where}")
                     if not stack:
                         return start, scan
                     continue
             # need more data: keep the element's bytes unless it is over the limit already
+            if bounded and scan - start > self.limit:
+                raise _TooLong()
             shift = self._more(scan if scan - start > self.limit else start)
             start, scan = start - shift, scan - shift
 
@@ -405,7 +593,8 @@ class _ArrayReader:
         while True:
             self._skip_space()
             if self.pos < len(self.buf):
-                self.result.damage = Damage(self.base + self.pos, "unexpected data after the closing ']'")
+                self.result.damage = Damage(self.base + self.pos, "unexpected data after the closing ']'",
+                                            kind="trailing data")
                 return
             if self.eof:
                 return

@@ -1,0 +1,137 @@
+"""Hostile inputs, round 3 (issue 27, data side): a broken record costs that record, decompression bombs and
+special files are refused at bounded memory and time, truncated S3 bodies are retried, a results directory
+belongs to one configuration and a retrained target reruns what depends on it."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from dflash_pipeline.data.ingest import ingest_file
+from dflash_pipeline.errors import CorruptInputError
+
+
+def conv(i: int) -> dict:
+    return {"id": f"r{i}", "conversations": [{"from": "human", "value": f"Question {i}? [a] {{b}}"},
+                                            {"from": "gpt", "value": f"Answer {i}, {{\"x\": [1]}}"}]}
+
+
+def ingest(path: Path, tmp: Path, **kw) -> tuple[dict, list[dict], list[dict]]:
+    out = tmp / (path.name + ".out")
+    out.mkdir(exist_ok=True)
+    stats = ingest_file(str(path), str(out / "r.parquet"), str(out / "s.json"), str(out / "q.jsonl"), **kw)
+    rows = pq.read_table(out / "r.parquet").to_pylist()
+    quarantine = [json.loads(line) for line in (out / "q.jsonl").read_text().splitlines()]
+    return stats, rows, quarantine
+
+
+def _pack(data: bytes, compression: str) -> bytes:
+    if compression == "gz":
+        return gzip.compress(data)
+    if compression == "zst":
+        return zstandard.ZstdCompressor().compress(data)
+    return data
+
+
+def _suffix(compression: str) -> str:
+    return ".json" + ("" if compression == "none" else "." + compression)
+
+
+# ------------------------------------------------------------------------------ 1: resync after damage mid-array
+# (name, how record 62's text is damaged): each breaks the scanner's view of strings or brackets
+DAMAGES = [
+    ("missing quote", lambda t: t.replace('"from": "human"', '"from": "human', 1)),
+    ("missing opening quote", lambda t: t.replace('"value": "Answer', '"value": Answer', 1)),
+    ("extra closing bracket", lambda t: t.replace('"Question 62?', '"Question 62?"]', 1)),
+    ("missing closing brace", lambda t: t[:t.rindex("}")]),
+]
+
+
+def _damaged_array(n: int, at: int, damage, indent) -> tuple[bytes, int, int]:
+    """A JSON array of n records whose record `at` is damaged: (bytes, start, end) of the damaged record."""
+    texts = [json.dumps(conv(i), indent=indent) for i in range(n)]
+    texts[at] = damage(texts[at])
+    sep = ",\n" if indent else ", "
+    head = "[\n" if indent else "["
+    start = len(head) + sum(len(t) + len(sep) for t in texts[:at])
+    data = (head + sep.join(texts) + ("\n]\n" if indent else "]")).encode()
+    return data, start, start + len(texts[at].rstrip().encode())  # the span ends at its last non-space byte
+
+
+@pytest.mark.parametrize("compression", ["none", "gz", "zst"])
+@pytest.mark.parametrize("name,damage", DAMAGES, ids=[d[0] for d in DAMAGES])
+def test_one_damaged_record_mid_array_costs_that_record_only(tmp_path, compression, name, damage):
+    """The issue's case: 125 records, record 62 damaged. Salvage resyncs at record 63 (a boundary at array
+    depth 1), quarantines exactly record 62's bytes with their range, and keeps the 124 others in order."""
+    data, start, end = _damaged_array(125, 62, damage, indent=2 if compression != "gz" else None)
+    path = tmp_path / ("d" + _suffix(compression))
+    path.write_bytes(_pack(data, compression))
+    stats, rows, quarantine = ingest(path, tmp_path, on_corrupt="salvage")
+    assert [r["source_id"] for r in rows] == [f"r{i}" for i in range(125) if i != 62]
+    assert (stats["records_read"], stats["kept"], stats["quarantined"]) == (125, 124, 1)
+    assert stats["damage"] is None  # nothing was lost: the file did not end at the damage
+    [q] = quarantine
+    assert q["byte_offset"] == start and q["byte_range"] == [start, end], (q, start, end)
+    assert q["record"] == data[start:end].decode()
+    assert "damaged" in q["reason"] and "ends" not in q["reason"] and "truncated" not in q["reason"]
+    assert ("decompressed" in q["reason"]) == (compression != "none"), q["reason"]
+    assert [s["byte_range"] for s in stats["damaged_spans"]] == [[start, end]]
+
+    with pytest.raises(CorruptInputError) as err:  # without salvage: an error that counts what follows
+        ingest(path, tmp_path)
+    msg = str(err.value)
+    assert "62 complete records before" in msg and "62 records after" in msg, msg
+    assert ("decompressed" in msg) == (compression != "none") and "truncated" not in msg, msg
+
+
+def test_damage_in_the_first_and_the_last_record_and_two_damages(tmp_path):
+    texts = [json.dumps(conv(i)) for i in range(30)]
+    texts[0] = texts[0].replace('"from": "human"', '"from": "human', 1)
+    texts[17] = texts[17].replace('"id"', '"id', 1)
+    texts[29] = texts[29].replace('"gpt"', 'gpt"', 1)
+    data = ("[" + ", ".join(texts) + "]\n").encode()
+    path = tmp_path / "three.json"
+    path.write_bytes(data)
+    stats, rows, quarantine = ingest(path, tmp_path, on_corrupt="salvage")
+    assert [r["source_id"] for r in rows] == [f"r{i}" for i in range(30) if i not in (0, 17, 29)]
+    assert stats["damage"] is None and (stats["records_read"], stats["quarantined"]) == (30, 3)
+    assert [q["record"] for q in quarantine] == [texts[0], texts[17], texts[29]]
+
+
+def test_truncation_is_worded_as_truncation_and_damage_as_damage(tmp_path):
+    data = json.dumps([conv(i) for i in range(40)]).encode()
+    cut = data.index(b'{"id": "r30"') + 20
+    path = tmp_path / "cut.json"
+    path.write_bytes(data[:cut])
+    with pytest.raises(CorruptInputError) as err:
+        ingest(path, tmp_path)
+    msg = str(err.value)
+    assert "ends inside record 30" in msg and "truncated" in msg and "decompressed" not in msg, msg
+    assert "no records follow" in msg
+    stats, rows, _ = ingest(path, tmp_path, on_corrupt="salvage")
+    assert stats["kept"] == 30 and stats["damage"]["kind"] == "truncated"
+    assert "cut short" in stats["damage"]["note"]
+
+
+def test_damage_mid_file_of_a_large_array_with_small_record_limit(tmp_path):
+    """Text without brackets: after a lost quote the scanner sees no bracket at all and runs to the end of the
+    file, far past max_record_bytes (the damaged record's bytes are no longer held). The reader goes back to
+    the record's start (reopening the file) and resyncs at the next record, holding one record at a time."""
+    n = 3000
+    texts = [json.dumps({"id": f"r{i}", "conversations": [{"from": "human", "value": f"Question {i} " + "w" * 200},
+                                                        {"from": "gpt", "value": f"Answer {i}"}]}) for i in range(n)]
+    texts[1500] = texts[1500].replace('"gpt"', 'gpt"', 1)
+    data = ("[" + ", ".join(texts) + "]").encode()
+    start = data.index(texts[1500].encode())
+    for compression in ("none", "zst"):
+        path = tmp_path / ("big" + _suffix(compression))
+        path.write_bytes(_pack(data, compression))
+        stats, rows, quarantine = ingest(path, tmp_path, on_corrupt="salvage", max_record_bytes=2000)
+        assert len(rows) == n - 1 and [q["byte_range"] for q in quarantine] == [[start, start + len(texts[1500])]]
+        assert quarantine[0]["record"] == texts[1500]
+        assert "do not balance" in quarantine[0]["reason"] and "resumed at the next record" in quarantine[0]["reason"]
