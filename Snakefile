@@ -32,6 +32,7 @@ include: "rules/extract.smk"
 include: "rules/train.smk"
 include: "rules/evaluate.smk"
 include: "rules/report.smk"
+include: "rules/console.smk"
 
 
 rule all:

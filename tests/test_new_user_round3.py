@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO, require_packages
+from workflow_runs import make_workdir, snakemake
 
 
 def _resolve_without_site_packages(uri: str) -> subprocess.CompletedProcess:
@@ -43,3 +44,13 @@ def test_tests_needing_the_real_packages_skip_with_the_install_command():
         require_packages("mtbench_evaluator_absent_here", "json")
     assert "mtbench_evaluator_absent_here" in str(skipped.value) and "make setup" in str(skipped.value)
     require_packages("json")  # installed: no skip
+
+
+def test_a_dry_run_before_the_checkpoints_says_where_the_whole_plan_is(tmp_path):
+    """`snakemake -n` on a fresh run lists only the jobs before the manifest checkpoint (16 of the demo's 50); its
+    last line names results/preview.txt and how to write it. A dry run with nothing to do says nothing more."""
+    work = make_workdir(tmp_path / "w")
+    proc = snakemake(work, "-n", "--quiet", "rules", "host")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "<TBD>" in last and "The whole plan" in last and "results/preview.txt" in last, last
+    assert "with results/preview.txt as its target (before --configfile) and without -n" in last
