@@ -21,3 +21,35 @@ def dry_run_hint():
 
 if not (workflow.remote_exec or workflow.subprocess_exec):
     atexit.register(dry_run_hint)
+
+
+# Under `--quiet rules` (make demo) Snakemake hides a failed job's block and its log: the console showed only
+# `CalledProcessError ... exit status 2`. Each failed job's own error line is printed here instead.
+ERROR_LINE = re.compile(r"^(error: |\w*(Error|Exception|Interrupt)\b|.*\bFAILED\b)")
+
+
+def stage_error_line(path, limit=400):
+    """The stage's one-line error in its log: its last `error: ...` or exception line, else its last line."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            lines = [ln.rstrip() for ln in fh.readlines()[-200:] if ln.strip()]
+    except OSError:
+        return None
+    if not lines:
+        return None
+    line = next((ln for ln in reversed(lines) if ERROR_LINE.match(ln)), lines[-1])
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def print_failed_stages():
+    failed = getattr(getattr(workflow, "scheduler", None), "failed", None) or ()
+    for job in sorted(failed, key=str):
+        for one in getattr(job, "jobs", None) or [job]:  # a group job: each member
+            for path in getattr(one, "log", None) or []:
+                line = stage_error_line(str(path))
+                if line:
+                    print(f"{one.rule.name} failed: {line} (log: {path})", file=sys.stderr)
+
+
+onerror:
+    print_failed_stages()

@@ -22,7 +22,9 @@ rule ingest:
         name=lambda wc: RAW_INPUTS[wc.src],
     shell:
         "dflash-pipeline ingest --input {input.raw:q} --name {params.name:q} --out {output.records:q} --stats {output.stats:q} "
-        "--quarantine {output.quarantine:q} --exclude-prompts {input.exclude:q} --settings {params.settings:q} > {log:q} 2>&1"
+        "--quarantine {output.quarantine:q} --exclude-prompts {input.exclude:q} --settings {params.settings:q} > {log:q} 2>&1; "
+        # the file's one-line account (kept, quarantined and why) on the console; the rest is in the log
+        "tail -n 1 {log:q}"
 
 
 checkpoint manifest:

@@ -4,10 +4,13 @@ names the real distribution, tests that need the real target's packages skip wit
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import REPO, require_packages
 from workflow_runs import make_workdir, snakemake
@@ -54,3 +57,37 @@ def test_a_dry_run_before_the_checkpoints_says_where_the_whole_plan_is(tmp_path)
     last = proc.stderr.strip().splitlines()[-1]
     assert "<TBD>" in last and "The whole plan" in last and "results/preview.txt" in last, last
     assert "with results/preview.txt as its target (before --configfile) and without -n" in last
+
+
+# ------------------------------------------------------------------------------ item 7: the console of `make demo`
+def _record(i: int) -> dict:
+    return {"id": f"r{i}", "conversations": [{"from": "human", "value": f"Question {i}?"},
+                                            {"from": "gpt", "value": f"Answer number {i}."}]}
+
+
+def _quiet_workdir(tmp_path, tiny_target) -> Path:
+    work = make_workdir(tmp_path / "w")
+    lines = [json.dumps(_record(i)) for i in range(6)]
+    lines.insert(3, '{"id": "broken", "conversations": [')  # one bad line: quarantined, the rest kept
+    (work / "good.jsonl").write_text("\n".join(lines) + "\n")
+    (work / "cut.json").write_text(json.dumps([_record(i) for i in range(5)])[:-40])  # an array cut short
+    cfg = {"inputs": ["good.jsonl", "cut.json"], "target": {"model_path": str(tiny_target)}}
+    (work / "user.yaml").write_text(yaml.safe_dump(cfg))
+    return work
+
+
+@pytest.mark.slow
+def test_the_quiet_console_shows_each_files_account_and_a_failed_stages_own_error(tmp_path, tiny_target):
+    """`make demo`'s console (`--quiet rules host`) hides the rule blocks and the failed job's log: a failing stage
+    showed only `CalledProcessError ... exit status 2`, a quarantined line nothing at all."""
+    work = _quiet_workdir(tmp_path, tiny_target)
+    quiet = ("--quiet", "rules", "host")
+    ok = snakemake(work, "results/ingest/files/good.parquet", *quiet, configfiles=("tiny.yaml", "user.yaml"))
+    assert ("ingest good.jsonl: 6 of 7 records kept, 1 quarantined (invalid JSON: 1; see "
+            "results/ingest/files/good.quarantine.jsonl)") in ok.stdout, ok.stdout + ok.stderr
+    bad = snakemake(work, "results/ingest/files/cut.parquet", *quiet, configfiles=("tiny.yaml", "user.yaml"),
+                    check=False)
+    assert bad.returncode != 0
+    (line,) = [ln for ln in bad.stderr.splitlines() if ln.startswith("ingest failed: ")]
+    assert "error: cut.json: truncated at byte offset" in line and "on_corrupt: salvage" in line, line
+    assert line.endswith("(log: results/logs/ingest/cut.log)"), line

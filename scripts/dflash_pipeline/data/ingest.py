@@ -253,4 +253,21 @@ def run(args) -> int:
     except FileNotFoundError as exc:
         raise PipelineError(f"{args.input}: input file not found ({exc})") from exc
     print(json.dumps(stats, indent=2))
+    print(console_line(stats, args.quarantine))  # the rule echoes this last line to the console
     return 0
+
+
+def console_line(stats: dict, quarantine: str) -> str:
+    """One line per file for the console: records kept and quarantined (with the commonest reasons and where
+    they are), dropped as evaluation prompts, salvaged damage; the audit has the rest."""
+    line = f"ingest {stats['file']}: {stats['kept']:,} of {stats['records_read']:,} records kept"
+    if stats["quarantined"]:
+        reasons = ", ".join(f"{k}: {v:,}" for k, v in list(stats["quarantine_reasons"].items())[:3])
+        line += f", {stats['quarantined']:,} quarantined ({reasons}; see {quarantine})"
+    if stats.get("decontaminated"):
+        line += f", {stats['decontaminated']:,} dropped as evaluation prompts"
+    if stats.get("damaged_spans"):
+        line += f", {len(stats['damaged_spans'])} damaged span(s) skipped"
+    if stats.get("damage"):
+        line += f"; {stats['damage']['kind']} at byte {stats['damage']['byte_offset']:,}: {stats['damage']['note']}"
+    return line
