@@ -41,6 +41,12 @@ def _source_name(path):
     return re.sub(r"[^A-Za-z0-9_.]+", "_", name) or "input"
 
 
+# Mistakes in the config's paths found while reading it (a glob matching no file, a pkg:// package that is not
+# installed): collected, not raised, so that the preflight reports them in one run with the target's and the
+# resources' (run_preflight); a user fixes them all at once instead of one per dry run.
+CONFIG_PATH_PROBLEMS = []
+
+
 def _expand_inputs(patterns):
     """Config `inputs` (paths, globs, s3:// URIs) -> {source name: path}, names unique and stable."""
     paths = []
@@ -48,13 +54,14 @@ def _expand_inputs(patterns):
         try:
             pattern = package_paths.resolve(pattern)  # pkg://PACKAGE/PATH: a file shipped in an installed package
         except PipelineError as exc:
-            raise WorkflowError(f"config inputs: {exc}")
+            CONFIG_PATH_PROBLEMS.append(f"config inputs: {exc}")
+            continue
         if pattern.startswith("s3://") or not glob.has_magic(pattern):
             paths.append(pattern)
         else:
             matched = sorted(glob.glob(pattern))
             if not matched:
-                raise WorkflowError(f"config inputs: glob {pattern!r} matches no file")
+                CONFIG_PATH_PROBLEMS.append(f"config inputs: glob {pattern!r} matches no file")
             paths.extend(matched)
     sources = {}
     for path in paths:
@@ -74,13 +81,18 @@ def _package_path(key, path):
     try:
         return package_paths.resolve(path)
     except PipelineError as exc:
-        raise WorkflowError(f"config {key}: {exc}")
+        CONFIG_PATH_PROBLEMS.append(f"config {key}: {exc}")
+        return ""
 
 
 # evaluation prompts (MT-Bench question.jsonl): evaluated beside the held-out split, and never trained on
 EVAL_PROMPTS = _package_path("evaluate.prompts_file", config.get("evaluate", {}).get("prompts_file") or "") or None
 EXCLUDE_PROMPTS = sorted(
-    {_package_path("ingest.exclude_prompts", p) for p in config["ingest"].get("exclude_prompts") or []}
+    {
+        q
+        for q in (_package_path("ingest.exclude_prompts", p) for p in config["ingest"].get("exclude_prompts") or [])
+        if q
+    }
     | ({EVAL_PROMPTS} if EVAL_PROMPTS else set())
 )
 
@@ -132,8 +144,10 @@ def demo_data_files():
 # results) for every stage to read. `pkg://PACKAGE/PATH` names a file inside an installed Python package.
 try:
     TARGET_SOURCE = package_paths.resolve(config["target"]["model_path"], must_exist=False)
+    TARGET_RESOLVED = True
 except PipelineError as exc:
-    raise WorkflowError(f"config target.model_path: {exc}")
+    CONFIG_PATH_PROBLEMS.append(f"config target.model_path: {exc}")
+    TARGET_SOURCE, TARGET_RESOLVED = config["target"]["model_path"], False
 TARGET_IS_GGUF = is_gguf_path(TARGET_SOURCE) and not DEMO_BUILDS_TARGET
 TARGET_IMPORT_DIR = os.path.join(R, "target")
 
@@ -607,8 +621,8 @@ def run_preflight():
         return
     executor = preflight.executor_name(sys.argv[1:], os.environ)
     storage_provider = workflow.storage_settings.default_storage_provider
-    problems = []
-    if not DEMO_BUILDS_TARGET and executor != "kubernetes":  # a pod's model lives in its image
+    problems = list(CONFIG_PATH_PROBLEMS)  # every mistake in one run: the config's paths, target, inputs, resources
+    if not DEMO_BUILDS_TARGET and executor != "kubernetes" and TARGET_RESOLVED:  # a pod's model lives in its image
         problems += preflight.target_problems(TARGET_SOURCE)  # pkg:// resolved
     remote = (
         f"{storage_provider} {workflow.storage_settings.default_storage_prefix or ''}" if storage_provider else None

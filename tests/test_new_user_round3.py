@@ -91,3 +91,34 @@ def test_the_quiet_console_shows_each_files_account_and_a_failed_stages_own_erro
     (line,) = [ln for ln in bad.stderr.splitlines() if ln.startswith("ingest failed: ")]
     assert "error: cut.json: truncated at byte offset" in line and "on_corrupt: salvage" in line, line
     assert line.endswith("(log: results/logs/ingest/cut.log)"), line
+
+
+# ------------------------------------------------------------------------------ item 5: every mistake in one run
+def test_the_preflight_reports_every_mistake_of_the_config_in_one_run(tmp_path):
+    """A glob that matches nothing, a pkg:// package that is not installed and a missing model directory: one dry
+    run names all three (it named the glob, then after its fix the model). The model's hint does not offer the
+    missing path back as its example; it names similarly named directories beside it."""
+    work = make_workdir(tmp_path / "w")
+    models = tmp_path / "models"
+    (models / "Qwen3-8B-Instruct").mkdir(parents=True)
+    missing = models / "Qwen3-8B"
+    cfg = {"demo": {"enabled": False}, "inputs": [str(tmp_path / "data" / "*.jsonl")],
+           "target": {"model_path": str(missing)},
+           "evaluate": {"prompts_file": "pkg://no_such_package_27/question.jsonl"}}
+    (work / "user.yaml").write_text(yaml.safe_dump(cfg))
+    proc = snakemake(work, "-n", configfiles=("user.yaml",), check=False)
+    assert proc.returncode != 0
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "preflight" in ln or ln.startswith("config ")]
+    text = "\n".join(lines)
+    assert f"config inputs: glob '{tmp_path}/data/*.jsonl' matches no file" in text, text
+    assert "config evaluate.prompts_file: pkg://no_such_package_27: Python package" in text, text
+    (model_line,) = [ln for ln in lines if "target.model_path" in ln and "no such directory" in ln]
+    assert model_line.count(str(missing)) == 1, model_line  # named once, as the problem; never as the example
+    assert f"similar names in {models}: Qwen3-8B-Instruct" in model_line, model_line
+
+
+def test_a_missing_model_under_a_missing_parent_names_the_deepest_directory_that_exists(tmp_path):
+    from dflash_pipeline.planning import preflight
+
+    (line,) = preflight.target_problems(str(tmp_path / "nope" / "deeper" / "Qwen3-8B"))
+    assert f"the deepest directory that exists is {tmp_path}" in line and line.count("Qwen3-8B") == 1, line

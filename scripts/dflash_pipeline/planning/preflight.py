@@ -61,6 +61,22 @@ def _has_chat_template(model: Path) -> bool:
     return False
 
 
+def _nearby(missing: Path) -> str:
+    """What exists near a missing path: similarly named directories beside it, or the deepest existing parent
+    (never the missing path itself as an example)."""
+    parent = missing.parent
+    while not parent.is_dir() and parent != parent.parent:
+        parent = parent.parent
+    if parent != missing.parent:
+        return f" (nor is {missing.parent}; the deepest directory that exists is {parent})"
+    try:
+        dirs = sorted(p.name for p in parent.iterdir() if p.is_dir())
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(missing.name, dirs, n=3, cutoff=0.6)
+    return f" (similar names in {parent}: {', '.join(close)})" if close else ""
+
+
 def target_problems(model_path: str) -> list[str]:
     """The target directory has what every stage loads: config, weights, tokenizer, chat template."""
     model = Path(model_path)
@@ -71,8 +87,9 @@ def target_problems(model_path: str) -> list[str]:
             return [f"target.model_path {model_path}: a GGUF target needs the `gguf` package: pip install -e '.[gguf]'"]
         return []
     if not model.is_dir():
-        return [f"target.model_path {model_path}: no such directory; set it to the model's directory (config.json, "
-                "weights, tokenizer), e.g. --config target.model_path=/models/Qwen3-8B"]
+        return [f"target.model_path {model_path}: no such directory{_nearby(model)}; set target.model_path (in your "
+                "config file, or --config target.model_path=DIR) to the directory that holds the model: config.json, "
+                "weights, tokenizer, chat template"]
     names = {p.name for p in model.iterdir()}
     missing = []
     if "config.json" not in names:
