@@ -511,6 +511,17 @@ def plan_calibration():
 # ------------------------------------------------------------------ extraction and training
 
 EXTRACT = config["extract"]
+
+
+def extraction_group_of(shard):
+    """The extraction job of a shard: extract.shards_per_job consecutive shards of one source file."""
+    src, k = shard.rsplit("-", 1)
+    return f"{src}-x{int(k) // EXTRACT['shards_per_job']:05d}"
+
+
+def extraction_group_members(exgroup):
+    return [s for s in shard_ids() if extraction_group_of(s) == exgroup]
+
 # what the plan and the cost preview read of the config
 # what the plan and the preview read of each section (planning/plan.py, projection.py), and only that: a
 # learning rate, a progress interval or a timeout changes no projection, so it reruns no plan (nor the
@@ -518,7 +529,7 @@ EXTRACT = config["extract"]
 PLAN_KEYS = {
     "generate": ("enabled", "max_new_tokens", "parallel_jobs", "gpus", "shards_per_job", "assumed"),
     "tokenize": ("max_length",),
-    "extract": ("codec", "assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes"),
+    "extract": ("codec", "assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "shards_per_job"),
     "drafter": ("num_layers", "target_layer_ids"),
     "train": ("epochs", "mode"),
     "cost": ("gpu_hour_usd",),

@@ -1,4 +1,12 @@
-# Hidden-state extraction (GPU-tagged, one job per shard) and the plan printed before any GPU work.
+# Hidden-state extraction (GPU-tagged) and the plan printed before any GPU work.
+#
+# One extraction job takes a group: the extract.shards_per_job consecutive shards of one source file (1: a
+# group of one). It pays python, torch and the target's load (and compilation) once for the group, writes each
+# shard's file and stats under hidden/groups/{exgroup}.partial/ and renames the directory at the end; a cheap
+# local job then links each shard's file out to hidden/{shard}.dfhs (a hard link: no copy of the states).
+# The same two rules whatever the group size. A killed job leaves the .partial directory: the rerun keeps
+# the shards finished there (same tokens and settings: extract.py resume_key) and resumes the one it was
+# writing from its journal. A changed shard redoes its group's job; the other groups are not touched.
 
 
 rule preview:
@@ -49,18 +57,22 @@ checkpoint plan:
 
 rule extract:
     input:
-        tokens=lambda wc: os.path.join(R, "tokens", training_dataset(), f"{wc.shard}.parquet"),
+        tokens=lambda wc: expand(
+            os.path.join(R, "tokens", training_dataset(), "{shard}.parquet"),
+            shard=extraction_group_members(wc.exgroup),
+        ),
         # the gate must have passed and the plan be printed first; waited for, not inputs: a re-gate or a new
         # plan (a shard added elsewhere) redoes no shard
         verdicts=settled,
         model=target_model_files(),
     output:
-        hidden=os.path.join(R, "hidden/{shard}.dfhs"),
-        stats=os.path.join(R, "hidden/{shard}.stats.json"),
+        directory(os.path.join(R, "hidden/groups/{exgroup}")),
+    wildcard_constraints:
+        exgroup=r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*?-x\d{5}",
     log:
-        log("extract/{shard}"),
+        log("extract/{exgroup}"),
     benchmark:
-        bench("extract/{shard}")
+        bench("extract/{exgroup}")
     conda:
         ENV_GPU
     threads: EXTRACT["encode_threads"]
@@ -70,14 +82,46 @@ rule extract:
         mem_mb=EXTRACT["mem_mb"],
     params:
         model=lambda wc, input: target_model_dir(input.model),
+        partial=lambda wc, output: output[0] + ".partial",
+        outs=lambda wc, output: [
+            os.path.join(output[0] + ".partial", f"{s}.dfhs") for s in extraction_group_members(wc.exgroup)
+        ],
+        stats=lambda wc, output: [
+            os.path.join(output[0] + ".partial", f"{s}.stats.json") for s in extraction_group_members(wc.exgroup)
+        ],
         settings=stage_settings(
             "extract",
-            # encode_threads is the rule's threads (not a param: how many threads write it changes no byte)
-            drop=("assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "encode_threads"),
+            # encode_threads is the rule's threads (not a param: how many threads write it changes no byte);
+            # shards_per_job is the group (its members are the inputs)
+            drop=("assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "encode_threads", "shards_per_job"),
             drafter_config=drafter_layers_json(),
             **TRUST,
         ),
     shell:
-        # a killed job leaves {output.hidden}.partial + .journal behind: the rerun resumes from them
-        "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline extract --tokens {input.tokens:q} --model {params.model:q} --out {output.hidden:q} "
-        "--stats {output.stats:q} --settings {params.settings:q} --encode-threads {threads} > {log:q} 2>&1"
+        # a killed job leaves {params.partial} (finished shards, {shard}.dfhs.partial + .journal): the rerun
+        # resumes from them; only a complete group is renamed into place
+        "mkdir -p {params.partial:q} && "
+        "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline extract --tokens {input.tokens:q} --model {params.model:q} "
+        "--out {params.outs:q} --stats {params.stats:q} --settings {params.settings:q} --encode-threads {threads} "
+        "> {log:q} 2>&1 && rm -rf {output:q} && mv {params.partial:q} {output:q}"
+
+
+rule hidden_from_group:
+    input:
+        group=lambda wc: os.path.join(R, f"hidden/groups/{extraction_group_of(wc.shard)}"),
+        verdicts=settled,
+    output:
+        hidden=os.path.join(R, "hidden/{shard}.dfhs"),
+        stats=os.path.join(R, "hidden/{shard}.stats.json"),
+    log:
+        log("extract/{shard}.link"),
+    shell:
+        # a hard link (the same bytes, no copy); a copy where the file system has none (another device, storage).
+        # touch: the link is newer than the group's timestamp, as a copy would be
+        "((ln -f {input.group:q}/{wildcards.shard}.dfhs {output.hidden:q} 2>/dev/null || "
+        "cp {input.group:q}/{wildcards.shard}.dfhs {output.hidden:q}) && touch {output.hidden:q} && "
+        "cp {input.group:q}/{wildcards.shard}.stats.json {output.stats:q}) > {log:q} 2>&1"
+
+
+localrules:
+    hidden_from_group,

@@ -285,3 +285,35 @@ def test_compile_auto_compiles_only_what_amortises_it():
     assert not should_compile("auto", "cuda", COMPILE_MIN_TOKENS - 1)
     assert should_compile("auto", "cuda:1", COMPILE_MIN_TOKENS)
     assert should_compile(True, "cpu", 1) and not should_compile(False, "cuda", 10 ** 12)
+
+
+def test_group_job_keeps_finished_shards_and_redoes_the_rest(tiny_target, tmp_path):
+    """One process extracts a group of shards (the target loaded once); a job that dies on its second shard
+    keeps the first (complete, same tokens and settings) and the rerun extracts only the second."""
+    from dflash_pipeline.hidden_states.extract import extract_shards
+
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    _token_shard(a, n=6, seed=1)
+    rows = _token_shard(b, n=6, seed=2)
+    good_ids = list(rows["input_ids"][0])
+    rows["input_ids"][0][0] = 10 ** 6  # outside the tiny target's vocabulary: the job fails on this shard
+    pq.write_table(pa.table({k: v for k, v in rows.items()}, schema=pq.read_schema(b)), b)
+    outs = [str(tmp_path / "g" / "a.dfhs"), str(tmp_path / "g" / "b.dfhs")]
+    stats = [o.replace(".dfhs", ".stats.json") for o in outs]
+    settings = ExtractSettings(layer_ids=[1, 3], device="cpu", token_budget=128)
+    with pytest.raises(PipelineError, match="outside the target's embedding"):
+        extract_shards([str(a), str(b)], str(tiny_target), outs, settings, stats_paths=stats)
+    assert os.path.exists(outs[0]) and not os.path.exists(outs[1])
+    first = os.stat(outs[0]).st_mtime_ns
+
+    rows["input_ids"][0] = good_ids
+    pq.write_table(pa.table(rows, schema=pq.read_schema(b)), b)
+    done = extract_shards([str(a), str(b)], str(tiny_target), outs, settings, stats_paths=stats)
+    assert os.stat(outs[0]).st_mtime_ns == first  # kept, not written again
+    assert done[1]["job"] == {"shards": 2, "position": 1, "startup_s": 0.0} and done[1]["this_run"]["tokens"] > 0
+    assert len(HiddenStateShardReader(outs[1])) == 5  # 6 samples, one without supervised tokens
+
+    # a shard whose tokens changed under the same name is extracted again, not kept
+    _token_shard(a, n=4, seed=3)
+    again = extract_shards([str(a)], str(tiny_target), outs[:1], settings, stats_paths=stats[:1])
+    assert again[0]["samples"] == 3 and len(HiddenStateShardReader(outs[0])) == 3

@@ -1,4 +1,4 @@
-"""The real Snakefile: the plan is printed, then one shard's hidden states are extracted through the rule."""
+"""The real Snakefile: the plan is printed, then one group's hidden states are extracted by one job."""
 
 from __future__ import annotations
 
@@ -7,13 +7,17 @@ import json
 import pytest
 
 from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
-from workflow_runs import make_workdir, snakemake
+from workflow_runs import make_workdir, planned, snakemake
 
 pytestmark = pytest.mark.slow
 
 # no regeneration (fast), and the demo's placeholder answers let through the gate
 EXTRA = """generate:
   enabled: false
+ingest:
+  shard_size: 16          # two shards per raw file: one extraction job of two shards
+extract:
+  shards_per_job: 2
 audit:
   max_trivial_fraction: 1.0
   max_placeholder_fraction: 1.0
@@ -33,7 +37,19 @@ def test_plan_then_extract_one_shard(tiny_target, tmp_path):
     plan = json.loads((wd / "results" / "plan.json").read_text())
     shard = json.loads((wd / "results" / "ingest" / "manifest.json").read_text())["shards"][0]["shard"]
 
-    _snakemake(wd, f"results/hidden/{shard}.dfhs")
+    shards = [s["shard"] for s in json.loads((wd / "results" / "ingest" / "manifest.json").read_text())["shards"]
+              if s["src"] == json.loads((wd / "results" / "ingest" / "manifest.json").read_text())["shards"][0]["src"]]
+    assert len(shards) == 2 and shard in shards
+    dry = planned(_snakemake(wd, "-n", *[f"results/hidden/{s}.dfhs" for s in shards]))
+    # one job (one target load) for the group; the gate of the training data first
+    assert dry == {"audit": 1, "gate": 1, "extract": 1, "hidden_from_group": 2}, dry
+    _snakemake(wd, *[f"results/hidden/{s}.dfhs" for s in shards])
+    group = wd / "results" / "hidden" / "groups"
+    (group_dir,) = list(group.iterdir())
+    for s in shards:  # each shard's file is the group's, linked out (no copy of the states)
+        assert (wd / "results" / "hidden" / f"{s}.dfhs").stat().st_ino == (group_dir / f"{s}.dfhs").stat().st_ino
+    assert json.loads((group_dir / f"{shards[1]}.stats.json").read_text())["job"]["shards"] == 2
+    assert planned(_snakemake(wd, "-n", *[f"results/hidden/{s}.dfhs" for s in shards])) == {}
     r = HiddenStateShardReader(wd / "results" / "hidden" / f"{shard}.dfhs")
     assert r.metadata["target_layer_ids"] == plan["target_layer_ids"]
     assert r.metadata["hidden_size"] == 128 and len(r) > 0
@@ -42,4 +58,4 @@ def test_plan_then_extract_one_shard(tiny_target, tmp_path):
     assert first["loss_mask"].sum() > 0
     stats = json.loads((wd / "results" / "hidden" / f"{shard}.stats.json").read_text())
     assert stats["samples"] == len(r) and stats["compression_vs_bf16"] < 0.8
-    assert not list((wd / "results" / "hidden").glob("*.partial"))
+    assert not list((wd / "results" / "hidden").glob("*.partial")) and not list(group.glob("*.partial"))

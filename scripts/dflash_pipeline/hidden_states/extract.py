@@ -144,7 +144,9 @@ def _prepare_capture(model, settings: ExtractSettings, device: str, tokens: int)
     compile_layers = should_compile(settings.compile, device, tokens)
     log.info("extract: %d tokens to do, %s", tokens, "compiled layers" if compile_layers else "eager layers")
     if compile_layers:
-        capture.compile()
+        if not getattr(model, "_dflash_layers_compiled", False):  # once per model: a job extracts several shards
+            capture.compile()
+            model._dflash_layers_compiled = True
         return capture, max(settings.pad_multiple, 64)
     return capture, settings.pad_multiple
 
@@ -242,20 +244,50 @@ def _stats(out_path, host: HostPipeline, padded: int, resumed: int, skipped: int
 # ------------------------------------------------------------------------------------------ the stage
 
 
+def resume_key(meta: dict, settings: ExtractSettings) -> str:
+    """What a finished shard file was written from (tokens, target, layers, codec): a grouped job that was
+    killed after some of its shards skips those whose stats carry the same key."""
+    what = [meta, settings.codec, settings.level, settings.dtype, settings.skip_unsupervised]
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _finished_before(out_path: str, stats_path: str | None, key: str) -> dict | None:
+    """The stats of a complete shard file written from the same inputs (renamed into place: never partial)."""
+    if not stats_path or not os.path.exists(out_path) or not os.path.exists(stats_path):
+        return None
+    try:
+        stats = storage.read_json(stats_path)
+    except (OSError, ValueError):
+        return None
+    return stats if isinstance(stats, dict) and stats.get("resume_key") == key else None
+
+
+def load_target(model_path: str, settings: ExtractSettings):
+    device = target.resolve_device(settings.device)
+    return target.load_model(model_path, device, settings.compute_dtype, attn_implementation=
+                             settings.attn_implementation, trust_remote_code=settings.trust_remote_code)
+
+
 def extract_shard(tokens_path: str, model_path: str, out_path: str, settings: ExtractSettings | None = None, *,
-                  stats_path: str | None = None, model=None) -> dict:
-    """Extract one shard; returns its stats. `model` may be passed in (tests, benchmarks)."""
+                  stats_path: str | None = None, model=None, tokens: TokenShard | None = None,
+                  job: dict | None = None) -> dict:
+    """Extract one shard; returns its stats. `model` may be passed in (a grouped job, tests, benchmarks)."""
     settings = settings or ExtractSettings()
     t_start = time.perf_counter()
     device = target.resolve_device(settings.device)
-    tokens = read_token_shard(tokens_path)  # before loading the target: a bad input fails in seconds
+    tokens = tokens or read_token_shard(tokens_path)  # before loading the target: a bad input fails in seconds
     if model is None:
-        model = target.load_model(model_path, device, settings.compute_dtype, attn_implementation=
-                                  settings.attn_implementation, trust_remote_code=settings.trust_remote_code)
+        model = load_target(model_path, settings)
     check_token_range(tokens_path, tokens, model.get_input_embeddings().num_embeddings)  # before any file is opened
+    meta = _shard_metadata(model, model_path, tokens_path, tokens, _layer_ids(model, settings))
+    key = resume_key(meta, settings)
+    earlier = _finished_before(out_path, stats_path, key)
+    if earlier is not None:
+        log.info("%s: already extracted from the same tokens and settings (%d samples): kept", out_path,
+                 earlier.get("samples", 0))
+        return earlier
     capture = None
     try:
-        meta = _shard_metadata(model, model_path, tokens_path, tokens, _layer_ids(model, settings))
         writer = HiddenStateShardWriter(out_path, meta, codec=settings.codec, level=settings.level,
                                         dtype=settings.dtype, resume=True)
         done = writer.completed_ids
@@ -281,6 +313,9 @@ def extract_shard(tokens_path: str, model_path: str, out_path: str, settings: Ex
         if capture is not None:
             capture.remove()
     stats = _stats(out_path, host, padded, len(done), skipped, writer.metadata, settings, device, t_start, t_gpu)
+    stats["resume_key"] = key
+    if job:
+        stats["job"] = job
     log.info("%s: %d samples, %d tokens, %.1f tok/s, %.3f x bf16, padding %.1f%%", out_path, stats["samples"],
              stats["tokens"], stats["tokens_per_s"] or 0, stats["compression_vs_bf16"] or 0,
              100 * stats["padding_waste"])
@@ -289,12 +324,40 @@ def extract_shard(tokens_path: str, model_path: str, out_path: str, settings: Ex
     return stats
 
 
+def extract_shards(tokens_paths: list, model_path: str, out_paths: list, settings: ExtractSettings | None = None,
+                   *, stats_paths: list | None = None, model=None) -> list[dict]:
+    """A job's shards, one after another in one process (rules/extract.smk: a group of extract.shards_per_job
+    shards; one shard is a group of one): python, torch and the target load once, and the layers compile once
+    when the group's tokens amortise it. Each shard is its own resumable file and stats."""
+    settings = settings or ExtractSettings()
+    stats_paths = list(stats_paths or [None] * len(out_paths))
+    if not len(tokens_paths) == len(out_paths) == len(stats_paths):
+        raise PipelineError(f"extract: {len(tokens_paths)} --tokens, {len(out_paths)} --out and "
+                            f"{len(stats_paths)} --stats: one of each per shard")
+    t0 = time.perf_counter()
+    shards = [read_token_shard(p) for p in tokens_paths]  # every input before the target: a bad one fails in seconds
+    model = model if model is not None else load_target(model_path, settings)
+    startup = time.perf_counter() - t0
+    device = target.resolve_device(settings.device)
+    group_tokens = sum(int(sum(len(ids) for ids in shard.input_ids)) for shard in shards)
+    shard_settings = dataclasses.replace(settings, compile=should_compile(settings.compile, device, group_tokens))
+    results = []
+    for i, (tokens_path, shard, out, stats_path) in enumerate(zip(tokens_paths, shards, out_paths, stats_paths)):
+        job = {"shards": len(shards), "position": i, "startup_s": round(startup, 3) if i == 0 else 0.0}
+        results.append(extract_shard(tokens_path, model_path, out, shard_settings, stats_path=stats_path,
+                                     model=model, tokens=shard, job=job))
+    log.info("extract: %d shard(s) in one job, %.1f s to start (inputs read, target loaded)", len(shards), startup)
+    return results
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # defaults as the schema's extract section states them (the workflow passes them as --settings)
-    p.add_argument("--tokens", required=True, help="token shard (parquet: sample_id, input_ids, loss_mask)")
+    p.add_argument("--tokens", nargs="+", required=True,
+                   help="token shard(s) (parquet: sample_id, input_ids, loss_mask), extracted in one process")
     p.add_argument("--model", required=True, help="target model directory")
-    p.add_argument("--out", required=True, help="hidden-state shard to write (.dfhs)")
-    p.add_argument("--stats", help="JSON with tokens, bytes, throughput of this shard")
+    p.add_argument("--out", nargs="+", required=True, help="hidden-state shard to write (.dfhs), one per --tokens")
+    p.add_argument("--stats", nargs="*", default=None,
+                   help="JSON with tokens, bytes, throughput of each shard, one per --tokens")
     p.add_argument("--target-layer-ids", help="comma-separated layer ids (default: from --drafter-config)")
     p.add_argument("--drafter-config", default="{}",
                    help="JSON of the config's drafter section (target_layer_ids or num_layers)")
@@ -332,5 +395,5 @@ def settings_from_args(args) -> ExtractSettings:
 
 
 def run(args) -> int:
-    extract_shard(args.tokens, args.model, args.out, settings_from_args(args), stats_path=args.stats)
+    extract_shards(args.tokens, args.model, args.out, settings_from_args(args), stats_paths=args.stats or None)
     return 0

@@ -18,7 +18,7 @@ from dflash_pipeline.errors import PipelineError
 # per stage: its resume state under the results directory (globs), and the setting that mirrors it to S3
 STAGE_STATE = {
     "generate": (["completions/journal"], "generate.journal_mirror"),
-    "extract": (["hidden/*.partial", "hidden/*.journal"], None),
+    "extract": (["hidden/*.partial", "hidden/*.journal", "hidden/groups/*.partial"], None),
     "train": (["train/checkpoints"], "train.checkpoint_mirror"),
 }
 
