@@ -316,7 +316,7 @@ def generation_backend_settings():
     backend `servers` are operational (generation_runtime_settings)."""
     if GEN["backend"] == "hf":
         # not threads: how fast, not what (generation_runtime_settings)
-        hf_keys = ("batch_size", "device", "dtype", "context_length", "max_batch_tokens", "cache")
+        hf_keys = ("batch_size", "device", "dtype", "context_length", "max_batch_tokens", "cache", "engine", "slot_width")
         return {k: GEN_HF[k] for k in hf_keys if GEN_HF.get(k) not in (None, "")}
     if GEN["backend"] == "servers":
         if not GEN["servers"]:

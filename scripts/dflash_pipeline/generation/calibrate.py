@@ -211,6 +211,7 @@ async def _calibrate(args, urls, warm: list[dict], rows: list[dict], t_launch: f
         if warm:
             await send_all(engine, warm, args, Counters())
         warm_s = time.monotonic() - t_warm
+        rows = fill_slots(rows, getattr(engine, "calibration_requests", 0))
         wall0, mono0 = time.time(), time.monotonic()
         timed, workers = await send_all(engine, rows, args, Counters())
         result = measure(timed, workers, args.max_new_tokens, engine.capacity)
@@ -225,6 +226,17 @@ async def _calibrate(args, urls, warm: list[dict], rows: list[dict], t_launch: f
         return result
     finally:
         await engine.close()
+
+
+def fill_slots(rows: list[dict], requests: int) -> list[dict]:
+    """The sample repeated (each repeat a new sample id, so a new seed) up to `requests`: an engine whose rate
+    grows with the rows decoding together (the hf slot engine) is measured as full as a run keeps it."""
+    out = list(rows)
+    k = 1
+    while len(out) < requests:
+        out += [dict(r, sample_id=f"{r['sample_id']}#{k}") for r in rows[:requests - len(out)]]
+        k += 1
+    return out
 
 
 def _terminate(signum, frame):

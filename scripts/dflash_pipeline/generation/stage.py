@@ -80,6 +80,11 @@ def _add_backend_arguments(be) -> None:
                     help="hf backend: rows x (longest prompt + budget) per generate call (0: no limit)")
     be.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
                     help="hf backend: transformers' KV cache (static: its generate compiles the decode step on a GPU)")
+    be.add_argument("--engine", choices=["auto", "slots", "generate"], default="auto",
+                    help="hf backend: slots (static KV cache, CUDA-graph step, finished rows refilled), generate "
+                         "(transformers' generate on length-sorted batches); auto: slots on a GPU, generate on CPU")
+    be.add_argument("--slot-width", type=int, default=0,
+                    help="hf slots: KV cache columns per slot (0: room for max_new_tokens and a 640-token prompt)")
     be.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     be.add_argument("--context-length", type=int,
                     help="prompt + answer limit (default: the servers' max_model_len, or the model's config)")
@@ -288,6 +293,14 @@ async def run_shards(jobs: list[ShardJob], engine, args, progress_interval: floa
 # --------------------------------------------------------------------------------------------------------
 # engines and servers
 # --------------------------------------------------------------------------------------------------------
+def hf_engine_kind(args) -> str:
+    """The hf backend's engine: `--engine`, where auto is the slot decoder on a GPU and generate on CPU."""
+    engine = getattr(args, "engine", "auto")
+    if engine == "auto":
+        return "slots" if str(args.device).startswith("cuda") else "generate"
+    return engine
+
+
 def make_engine(args, urls: list[str] | None = None):
     """The engine these flags configure (hf in-process, or HTTP to `urls` / --servers); not started yet."""
     from dflash_pipeline.generation.engines import HFEngine, HTTPEngine, chat_renderer
@@ -295,6 +308,13 @@ def make_engine(args, urls: list[str] | None = None):
     if args.backend == "hf":
         if not args.model:
             raise PipelineError("--backend hf needs --model")
+        if hf_engine_kind(args) == "slots":
+            from dflash_pipeline.generation.slot_engine import SlotEngine
+
+            return SlotEngine(args.model, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                              context_length=args.context_length, trust_remote_code=args.trust_remote_code,
+                              threads=args.threads or None, width=args.slot_width,
+                              max_new_tokens=args.max_new_tokens)
         return HFEngine(args.model, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                         context_length=args.context_length, trust_remote_code=args.trust_remote_code,
                         threads=args.threads or None, max_batch_tokens=args.max_batch_tokens or None,
