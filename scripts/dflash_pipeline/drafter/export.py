@@ -35,6 +35,7 @@ from dflash_pipeline.drafter.config import MROPE_KEYS, DrafterConfig, target_sha
 from dflash_pipeline.drafter.runtime import make_readable
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.target import read_config, text_config
+from dflash_pipeline.write_checks import check_output_dirs, named_write_errors
 
 log = logging.getLogger("dflash_pipeline.drafter.export")
 
@@ -207,6 +208,7 @@ def check_same_target(dcfg: DrafterConfig, model_dir: str | Path, source: str) -
 def run(args) -> int:
     from safetensors.torch import save_file
 
+    check_output_dirs("export", out=args.out)
     drafter_dir = Path(args.drafter)
     dcfg = DrafterConfig.from_dict(_read_json(drafter_dir / "drafter_config.json"),
                                    f"{drafter_dir}/drafter_config.json")
@@ -218,7 +220,7 @@ def run(args) -> int:
     mask_text = mask_token_text(args.model, dcfg.mask_token_id, args.trust_remote_code)
     if mask_text is not None:  # SGLang resolves the mask by its text too (default "<|MASK|>"): name the real one
         cfg["dflash_config"]["mask_token"] = mask_text
-    with storage.atomic_dir(args.out) as tmp:
+    with named_write_errors("export", args.out), storage.atomic_dir(args.out) as tmp:  # a full disk: one line
         save_file({k: v.to(dtype).contiguous() for k, v in sorted(state.items())}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         storage.write_json(tmp / "config.json", cfg)

@@ -46,6 +46,7 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.progress import Progress
 from dflash_pipeline.target import read_config, text_config
 from dflash_pipeline.target_layers import default_target_layer_ids, validate_target_layer_ids
+from dflash_pipeline.write_checks import check_output_dirs, named_write_errors
 
 log = logging.getLogger("dflash_pipeline.drafter.train")
 
@@ -357,9 +358,13 @@ def write_outputs(run: TrainingRun, metrics_path, wall: float, start_step: int) 
     log.info("drafter written to %s", args.out)
 
 
+RESUME = "rerun: training resumes from its last complete checkpoint"
+
+
 def _run(args) -> int:
     if args.labels == "target" and args.mode != "online":
         raise PipelineError("--labels target needs --mode online (the target's predictions are not in the shards)")
+    check_output_dirs("train", checkpoint_dir=args.checkpoint_dir, out=args.out)  # before any work, not after it
     # setup: shapes from the target, data, drafter, optimizer; resume from this run's newest valid checkpoint
     run = setup_run(args)
     fp = run_fingerprint(args, run.dcfg, run.total_steps, run.steps.global_batch, run.source)
@@ -396,11 +401,13 @@ def _run(args) -> int:
                 append_record(store.metrics_path, rec, run.total_steps)
         # checkpoint: a killed run resumes here with exactly this state
         if done % args.checkpoint_every == 0 or done == run.total_steps:
-            store.save(done, run.drafter, run.opt, run.sched, run.device)
+            with named_write_errors("train", args.checkpoint_dir, RESUME):  # a full disk: one line, the path
+                store.save(done, run.drafter, run.opt, run.sched, run.device)
     # outputs: the last checkpoint is on S3 (if mirrored), then rank 0 writes the drafter directory
     store.finish()
     if run.dist.main:
-        write_outputs(run, store.metrics_path, time.perf_counter() - t_start, start_step)
+        with named_write_errors("train", args.out, RESUME):
+            write_outputs(run, store.metrics_path, time.perf_counter() - t_start, start_step)
     run.dist.barrier()
     run.dist.close()
     return 0

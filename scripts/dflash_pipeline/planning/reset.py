@@ -35,6 +35,17 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _delete(path: Path) -> None:
+    """Delete a resume-state file or directory. A directory reached through a symbolic link (checkpoints on a
+    larger disk) keeps its link and loses its contents: the next run writes there again."""
+    if path.is_symlink() and path.is_dir():
+        print(f"  ({path} links to {path.resolve()}: its contents are deleted, the link is kept)")
+        for child in path.iterdir():
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        return
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def run(args) -> int:
     globs, mirror = STAGE_STATE[args.stage]
     if str(args.results).startswith("s3://"):
@@ -47,7 +58,7 @@ def run(args) -> int:
     for path in found:
         print(f"{'deleting' if args.yes else 'would delete'} {path} ({_size(path) / 1e6:,.1f} MB)")
         if args.yes:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            _delete(path)
     if mirror:
         print(f"(with {mirror} set, or results on S3, delete its {args.stage} prefix there too: a job resumes "
               "from it)")
