@@ -15,7 +15,8 @@ from dflash_pipeline.planning.plan import make_plan, render
 from dflash_pipeline.planning.projection import gate_failures
 
 SAMPLES = 914_000
-SHAPE_27B = {"hidden_size": 5120, "num_layers": 64, "active_params": 25.0e9, "model_type": "qwen3_5"}
+SHAPE_27B = {"hidden_size": 5120, "num_layers": 64, "active_params": 25.0e9, "model_type": "qwen3_5",
+             "vocab_size": 151_936, "intermediate_size": 17_408, "num_heads": 64, "num_kv_heads": 8, "head_dim": 128}
 LAYER_IDS = [1, 16, 31, 46, 61]
 ASSUMED = {
     "output_tok_s_per_gpu": 400,       # ASSUMED: the incident's measured rate (27B, bf16, one H200 per server)

@@ -531,7 +531,7 @@ PLAN_KEYS = {
     "tokenize": ("max_length",),
     "extract": ("codec", "assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "shards_per_job"),
     "drafter": ("num_layers", "target_layer_ids"),
-    "train": ("epochs", "mode"),
+    "train": ("epochs", "mode", "num_anchors", "max_length"),
     "cost": ("gpu_hour_usd",),
 }
 PLAN_CONFIG = json.dumps(

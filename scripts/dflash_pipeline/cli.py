@@ -66,6 +66,8 @@ STAGES = {
                      "extract target hidden states into a shard file", "extract"),
     "plan": Stage("dflash_pipeline.planning.plan", "add_arguments", "run",
                   "print samples, tokens, bytes and GPU hours before the GPU starts"),
+    "calibrate-rates": Stage("dflash_pipeline.planning.calibrate_rates", "add_arguments", "run",
+                             "measure extraction and training rates on this GPU for the plan"),
     "generation-gate": Stage("dflash_pipeline.planning.plan", "add_generation_gate_arguments", "run_generation_gate",
                              "stop before the full generation when its projected wall time or GPU hours exceed the "
                              "limits"),

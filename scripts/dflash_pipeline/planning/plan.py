@@ -2,7 +2,8 @@
 
 It reads the source token shards (they exist before generation), the target's config.json, and the
 extract stage's per-shard stats if any shard is done (measured throughput and compression on this target);
-otherwise it scales the throughput measured on an H200 for a Qwen3-8B-shaped target by parameter count.
+otherwise the rates measured on the run's GPU by `calibrate-rates` (--rates), else a cost model marked ASSUMED
+(rates.py); training likewise.
 When the hidden states would not fit comfortably on a disk it says so and prices the alternatives.
 
 With a generation calibration (`--calibration`, from `dflash-pipeline calibrate`) it projects the full
@@ -27,18 +28,11 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.planning.projection import (
     RunShape, assumed_calibration, fmt_hours, gate_failures, project_generation, render_generation,
 )
+from dflash_pipeline.planning.rates import (
+    measured_rate, modelled_extract, modelled_train, stage_time, trained_positions_per_token,
+)
 from dflash_pipeline.target_layers import resolve_target_layer_ids
 
-# measured by benchmarks/extract_throughput.py on one H200 (see README): Qwen3-8B shape, compiled layers,
-# zstd level 1, written to local disk; and the lossless / fp8 ratios on its states
-REFERENCE_TOK_S = 28_700
-REFERENCE_PARAMS = 7.57e9
-REFERENCE_GPU = "H200"
-# measured by benchmarks/train_throughput.py on one H200 (see README, training): a Qwen3-8B-shaped drafter
-# (5 layers, hidden 4096), 3072-token sequences, flex attention, compiled, offline features
-REFERENCE_TRAIN_TOK_S = 20_308
-REFERENCE_TRAIN_HIDDEN = 4096
-REFERENCE_TRAIN_LAYERS = 5
 DEFAULT_RATIO = {"zstd": 0.69, "raw": 1.0, "fp8": 0.41}
 TB = 1e12
 
@@ -57,7 +51,9 @@ def target_shape(model_dir: str) -> dict:
     else:
         mlp = 3 * H * int(t.get("intermediate_size", 4 * H))
     return {"hidden_size": H, "num_layers": L, "active_params": L * (attn + mlp),
-            "model_type": cfg.get("model_type")}
+            "model_type": cfg.get("model_type"), "vocab_size": int(t.get("vocab_size") or cfg.get("vocab_size") or 0),
+            "intermediate_size": int(t.get("intermediate_size", 4 * H)), "num_heads": heads, "num_kv_heads": kv,
+            "head_dim": hd}
 
 
 def token_stats(paths) -> dict:
@@ -133,27 +129,53 @@ def _generation_part(tok: dict, n: float, generate: dict, max_len: int, scale: f
     return part
 
 
-def _training_part(plan: dict, shape: dict, layer_ids, train: dict, usd: float | None) -> dict:
-    """Training tokens and GPU-hours: the drafter's step scaled from the H200 measurement by its size (hidden^2 x
-    layers); online training adds the target's forward at the plan's extraction rate (on the 8B reference
-    this composition gives 11.9K tok/s against 12.0K measured)."""
+def _training_part(plan: dict, shape: dict, layer_ids, train: dict, usd: float | None, rates: dict | None,
+                   block_size: int) -> dict:
+    """Training tokens and GPU-hours: the rate measured on this GPU (calibrate-rates), else the cost model
+    (rates.py: the drafter's layers and the LM head over the vocabulary per trained position, ASSUMED share of
+    the peak); online training without a measurement adds the target's forward at the plan's extraction rate."""
     epochs = int(train.get("epochs", 6))
-    layers = max(1, len(layer_ids))
-    size = (REFERENCE_TRAIN_HIDDEN / shape["hidden_size"]) ** 2 * REFERENCE_TRAIN_LAYERS / layers
-    tok_s = REFERENCE_TRAIN_TOK_S * size
     online = train.get("mode") == "online"
-    if online:
-        tok_s = 1 / (1 / tok_s + 1 / plan["extract_tok_s"])
-    hours = plan["extract_tokens"] * epochs / tok_s / 3600
-    return {"train_tokens": plan["extract_tokens"] * epochs, "train_epochs": epochs, "train_tok_s": tok_s,
+    rate = measured_rate(rates, "train")
+    if rate is None:
+        n = max(plan["samples"], 1e-9)
+        mean_tokens = plan["extract_tokens"] / n  # the training data's (regenerated when generation is on)
+        per_token = trained_positions_per_token(mean_tokens, max(0.0, mean_tokens - plan["prompt_tokens"] / n),
+                                                train, block_size)
+        rate = modelled_train(shape, int(train.get("num_layers") or len(layer_ids) or 5), per_token)
+        if online:
+            rate["tok_s"] = 1 / (1 / rate["tok_s"] + 1 / plan["extract_tok_s"])
+    tokens = plan["extract_tokens"] * epochs
+    timing = stage_time(tokens, rate, 1)
+    hours = timing["gpu_hours"]
+    return {"train_tokens": tokens, "train_epochs": epochs, "train_tok_s": rate["tok_s"],
+            "train_startup_s": rate["startup_s"], "train_tok_s_source": rate["basis"],
             "train_mode": "online" if online else "offline", "train_gpu_hours": hours,
             "train_cost_usd": hours * usd if usd else None}
+
+
+def _extract_rate(measured_run: dict | None, rates: dict | None, gpu_tok_s, shape, layer_ids, extract: dict):
+    """Measured on this run's shards > measured by calibrate-rates > config extract.assumed_tokens_per_s > the cost
+    model; the start-up a job pays comes with it (measured, or the model's)."""
+    model = modelled_extract(shape, layer_ids, extract)
+    rate = measured_rate(rates, "extract")
+    if measured_run:
+        startup = rate["startup_s"] if rate else model["startup_s"]
+        return {"tok_s": measured_run["tok_s"], "startup_s": startup,
+                "basis": f"measured on {measured_run['shards']} extracted shard(s) of this run"}
+    if rate:
+        return rate
+    if gpu_tok_s:
+        return {"tok_s": gpu_tok_s, "startup_s": model["startup_s"],
+                "basis": "ASSUMED: config extract.assumed_tokens_per_s"}
+    return {**model, "basis": f"ASSUMED (cost model, {model['bound']}-bound)"}
 
 
 def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: dict, extract: dict,
               train: dict | None = None, measured_run: dict | None = None, scale: float = 1.0,
               gpu_tok_s: float | None = None, calibration: dict | None = None, jobs: int = 1,
-              cost: dict | None = None) -> dict:
+              cost: dict | None = None, rates: dict | None = None, extract_jobs: int = 1,
+              block_size: int = 16) -> dict:
     """All the numbers of the plan (pure: testable without files). `scale` extrapolates the token files
     to a dataset `scale` times larger (plan a full run from a sample); `jobs`: generation jobs of the whole run."""
     n = tok["samples"] * scale
@@ -173,20 +195,15 @@ def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: di
                  "hidden_bytes_raw": plan["extract_tokens"] * per_token_raw,
                  "hidden_bytes": plan["extract_tokens"] * per_token_raw * ratio,
                  "hidden_bytes_fp8": plan["extract_tokens"] * per_token_raw * DEFAULT_RATIO["fp8"]})
-    if measured_run:
-        tok_s, source = measured_run["tok_s"], f"measured on {measured_run['shards']} extracted shard(s) of this run"
-    elif gpu_tok_s:
-        tok_s, source = gpu_tok_s, "from config extract.assumed_tokens_per_s"
-    else:
-        tok_s = REFERENCE_TOK_S * REFERENCE_PARAMS / max(shape["active_params"], 1e6)
-        source = (f"scaled by parameter count from {REFERENCE_TOK_S} tok/s measured on one {REFERENCE_GPU} "
-                  f"for a Qwen3-8B-shaped target")
-    plan.update({"extract_tok_s": tok_s, "extract_tok_s_source": source,
-                 "extract_gpu_hours": plan["extract_tokens"] / tok_s / 3600})
+    rate = _extract_rate(measured_run, rates, gpu_tok_s, shape, layer_ids, extract)
+    timing = stage_time(plan["extract_tokens"], rate, max(1, extract_jobs))
+    plan.update({"extract_tok_s": rate["tok_s"], "extract_tok_s_source": rate["basis"],
+                 "extract_startup_s": rate["startup_s"], "extract_jobs": timing["jobs"],
+                 "extract_gpu_hours": timing["gpu_hours"], "extract_startup_share": timing["startup_share"]})
     usd = (cost or {}).get("gpu_hour_usd")
     plan["gpu_hour_usd"] = usd
     plan["extract_cost_usd"] = plan["extract_gpu_hours"] * usd if usd else None
-    plan.update(_training_part(plan, shape, layer_ids, train or {}, usd))
+    plan.update(_training_part(plan, shape, layer_ids, train or {}, usd, rates, block_size))
     return plan
 
 
@@ -228,13 +245,13 @@ def render(plan: dict, shape: dict, layer_ids, disk_warn_bytes: float = 1 * TB) 
         f"x 2 bytes = {human_bytes(plan['hidden_bytes_raw'])} raw bf16; stored with codec {plan['codec']} "
         f"(x{plan['ratio']:.2f}): {human_bytes(plan['hidden_bytes'])}",
         f"  extract GPU time: {plan['extract_gpu_hours']:.2f} GPU-hours{cost} at {plan['extract_tok_s']:,.0f} tok/s "
-        f"({plan['extract_tok_s_source']})",
+        f"({plan['extract_tok_s_source']}) + {plan['extract_jobs']} job(s) x {plan['extract_startup_s']:.0f} s "
+        f"start-up ({plan['extract_startup_share']:.0%} of it)",
         f"  train ({plan['train_mode']}): {f(plan['train_tokens'])} tokens over {plan['train_epochs']} epochs: "
         f"{plan['train_gpu_hours']:,.2f} GPU-hours"
         + (f", ${plan['train_cost_usd']:,.0f}" if plan.get("train_cost_usd") is not None else "")
-        + f" at {plan['train_tok_s']:,.0f} tok/s (scaled by drafter size from {REFERENCE_TRAIN_TOK_S:,} tok/s measured "
-        f"on one {REFERENCE_GPU} for a Qwen3-8B-shaped drafter" + (", plus the target's forward)" if
-                                                                  plan["train_mode"] == "online" else ")"),
+        + f" at {plan['train_tok_s']:,.0f} tok/s ({plan['train_tok_s_source']}) + {plan['train_startup_s']:.0f} s "
+        "start-up",
     ]
     if plan["hidden_bytes"] >= disk_warn_bytes:
         hb = plan["hidden_bytes"]
@@ -262,6 +279,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "calibrate`): project the full generation from its measured figures (no value: none)")
     p.add_argument("--assume-generation", action="store_true", help="without a calibration, price generation from "
                    "config generate.assumed (marked ASSUMED): the cost preview, before any GPU")
+    p.add_argument("--rates", nargs="?", default=None, help="extraction and training rates measured on the run's "
+                   "GPU (`dflash-pipeline calibrate-rates`); without: the cost model, marked ASSUMED")
     p.add_argument("--out", help="write the plan text here (it is printed too)")
     p.add_argument("--json", help="write the plan numbers here")
 
@@ -276,13 +295,15 @@ def run(args) -> int:
     calibration = storage.read_json(args.calibration) if args.calibration else None
     if calibration is None and args.assume_generation and gen_cfg.get("enabled"):
         calibration = assumed_calibration(gen_cfg)
-    jobs = generation_jobs([os.path.basename(str(t)).removesuffix(".parquet") for t in args.tokens],
-                           int(gen_cfg.get("shards_per_job") or 1))
+    names = [os.path.basename(str(t)).removesuffix(".parquet") for t in args.tokens]
+    jobs = generation_jobs(names, int(gen_cfg.get("shards_per_job") or 1))
     jobs = round(jobs * args.scale)
     plan = make_plan(tok, shape, layer_ids, generate=gen_cfg, tokenize=cfg.get("tokenize") or {},
                      extract=extract_cfg, train=cfg.get("train"), measured_run=measured(args.hidden_stats),
                      scale=args.scale, gpu_tok_s=extract_cfg.get("assumed_tokens_per_s"), calibration=calibration,
-                     jobs=jobs, cost=cfg.get("cost"))
+                     jobs=jobs, cost=cfg.get("cost"), rates=storage.read_json(args.rates) if args.rates else None,
+                     extract_jobs=round(generation_jobs(names, int(extract_cfg.get("shards_per_job") or 1)) * args.scale),
+                     block_size=int((cfg.get("drafter") or {}).get("block_size") or 16))
     text = render(plan, shape, layer_ids, disk_warn_bytes=float(extract_cfg.get("warn_bytes", TB)))
     mask = mask_token(args.model, cfg.get("drafter") or {}, bool(cfg.get("trust_remote_code")))
     text += f"  drafter mask token: {mask['description']}\n"

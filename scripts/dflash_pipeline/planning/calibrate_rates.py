@@ -1,0 +1,192 @@
+"""`dflash-pipeline calibrate-rates`: extraction and training rates measured on the GPU the run will use.
+
+Samples of the run's own token shards go through the stages' own code at the run's settings: `extract_shards`
+(one job of two shards: a warm-up shard, which pays compilation and the first batches, then the measured one)
+and then `train` on the measured shard's hidden states (offline) or tokens (online) for 2 x W steps, logged
+every W steps, so that the second record is the rate with the first W steps (warm-up, compilation) left out.
+What a job pays before its first token is measured too: the process's age when the target starts loading
+(python, torch), the load, and the warm-up's time beyond its tokens at the measured rate. The plan
+(planning/rates.py) projects each stage as jobs x start-up + tokens / rate and labels these "measured".
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import shutil
+import time
+
+from dflash_pipeline import storage
+from dflash_pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
+TOKEN_COLUMNS = ["sample_id", "input_ids", "loss_mask", "length", "num_loss_tokens", "truncated"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", nargs="+", required=True, help="the run's token shards (samples are drawn from them)")
+    p.add_argument("--model", required=True, help="target model directory")
+    p.add_argument("--extract-settings", default="{}", help="the extract rule's --settings JSON")
+    p.add_argument("--train-settings", default="{}", help="the train rule's --settings JSON")
+    p.add_argument("--shards-per-job", type=int, default=1, help="extract.shards_per_job (decides compile=auto)")
+    p.add_argument("--measure-tokens", type=int, default=131072, help="tokens of the measured extraction shard")
+    p.add_argument("--warmup-tokens", type=int, default=32768, help="tokens of the warm-up shard (not measured)")
+    p.add_argument("--train-steps", type=int, default=8, help="measured training steps (as many warm-up steps first)")
+    p.add_argument("--skip-train", action="store_true", help="measure extraction only")
+    p.add_argument("--work-dir", required=True, help="scratch directory (removed at the end)")
+    p.add_argument("--out", required=True, help="the rates (JSON)")
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (python and its imports included); 0 where /proc cannot tell."""
+    try:
+        with open("/proc/self/stat") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def draw_samples(paths: list[str], warmup_tokens: int, measure_tokens: int, out_dir: str) -> tuple[str, str]:
+    """Two token shards from the run's data (samples with supervised tokens, taken round-robin over the
+    shards in file order): `warmup.parquet` and `measure.parquet`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = []
+    for p in paths:
+        with storage.open_binary(p) as fh:
+            tables.append(pq.read_table(fh, columns=TOKEN_COLUMNS))
+    rows = [t.slice(i, 1) for i in range(max(t.num_rows for t in tables)) for t in tables if i < t.num_rows]
+    rows = [r for r in rows if r.column("num_loss_tokens")[0].as_py()]
+    parts: list[list] = [[], []]
+    need, got = [warmup_tokens, measure_tokens], [0, 0]
+    for r in rows:
+        k = 0 if got[0] < need[0] else 1
+        if got[1] >= need[1]:
+            break
+        parts[k].append(r)
+        got[k] += r.column("length")[0].as_py()
+    if not parts[1]:
+        raise PipelineError(f"calibrate-rates: {sum(got)} tokens in {len(paths)} shard(s): too few to measure")
+    outs = []
+    for name, part in zip(("warmup", "measure"), parts):
+        path = os.path.join(out_dir, f"{name}.parquet")
+        pq.write_table(pa.concat_tables(part or parts[1][:1]), path)
+        outs.append(path)
+    return outs[0], outs[1]
+
+
+def _stage_args(stage: str, argv: list[str]) -> argparse.Namespace:
+    """A stage's options as the CLI parses them (schema defaults, then --settings)."""
+    from dflash_pipeline import cli
+
+    return cli.build_parser(stage, [stage, *argv]).parse_args([stage, *argv])
+
+
+def measure_extract(args, warm: str, meas: str, model_age_s: float) -> tuple[dict, str]:
+    from dflash_pipeline.hidden_states import extract as ex
+
+    eargs = _stage_args("extract", ["--tokens", warm, "--model", args.model, "--out", "x", "--settings",
+                                    args.extract_settings])
+    settings = ex.settings_from_args(eargs)
+    shard_tokens = _mean_shard_tokens(args.tokens)
+    device = ex.target.resolve_device(settings.device)
+    compiled = ex.should_compile(settings.compile, device, shard_tokens * max(1, args.shards_per_job))
+    t0 = time.perf_counter()
+    model = ex.load_target(args.model, settings)
+    load_s = time.perf_counter() - t0
+    outs = [os.path.join(args.work_dir, f"{n}.dfhs") for n in ("warmup", "measure")]
+    stats = ex.extract_shards([warm, meas], args.model, outs, ex.dataclasses.replace(settings, compile=compiled),
+                              model=model)
+    w, m = stats
+    rate = m["this_run"]["tokens"] / m["seconds"]  # the whole shard call: batches, encoding, the file's close
+    warm_extra = max(0.0, w["seconds"] - w["this_run"]["tokens"] / rate)
+    del model
+    return {"tok_s": rate, "startup_s": model_age_s + load_s + warm_extra, "tokens": m["this_run"]["tokens"],
+            "load_s": round(load_s, 3), "process_start_s": round(model_age_s, 3),
+            "warmup_excess_s": round(warm_extra, 3), "compiled": compiled,
+            "how": f"{m['this_run']['tokens']:,} tokens after a {w['this_run']['tokens']:,}-token warm-up shard, "
+                   f"{'compiled' if compiled else 'eager'}"}, outs[1]
+
+
+def _mean_shard_tokens(paths: list[str]) -> float:
+    import pyarrow.parquet as pq
+
+    total = 0
+    for p in paths:
+        with storage.open_binary(p) as fh:
+            total += sum(pq.read_table(fh, columns=["length"]).column("length").to_pylist())
+    return total / max(1, len(paths))
+
+
+def measure_train(args, hidden: str, meas: str, process_start_s: float) -> dict:
+    """2 x W steps of the real training loop, logged every W: the second record is the steady rate."""
+    import pyarrow.parquet as pq
+
+    W = max(1, args.train_steps)
+    targs = _stage_args("train", ["--inputs", hidden, "--model", args.model, "--out",
+                                  os.path.join(args.work_dir, "train"), "--checkpoint-dir",
+                                  os.path.join(args.work_dir, "checkpoints"), "--settings", args.train_settings])
+    if targs.mode == "online":
+        targs.inputs = [meas]
+    targs.max_steps, targs.log_every, targs.acceptance_every = 2 * W, W, 0
+    targs.checkpoint_every, targs.holdout_fraction, targs.checkpoint_mirror = 10 ** 9, 0.0, ""
+    t0 = time.perf_counter()
+    targs._run(targs)
+    wall = time.perf_counter() - t0
+    records = [json.loads(x) for x in open(os.path.join(targs.out, "metrics.jsonl")) if x.strip()]
+    steady = next((r for r in records if r["step"] == 2 * W), None)
+    if steady is None or not steady.get("tokens_per_s"):
+        raise PipelineError("calibrate-rates: the training run logged no steady record")
+    rate = float(steady["tokens_per_s"])
+    lengths = pq.read_table(meas, columns=["length"]).column("length").to_pylist()
+    per_step = targs.batch_size * targs.grad_accum * sum(min(L, targs.max_length) for L in lengths) / len(lengths)
+    # a training job starts its own process (python, torch) before it loads anything: as this one did
+    return {"tok_s": rate, "startup_s": process_start_s + max(0.0, wall - 2 * W * per_step / rate), "steps": 2 * W,
+            "mode": targs.mode, "mfu": steady.get("mfu"),
+            "how": f"steps {W + 1}-{2 * W} of {2 * W} ({targs.mode}, batch {targs.batch_size} x {targs.grad_accum}),"
+                   f" the first {W} (warm-up, compilation) left out"}
+
+
+def run(args) -> int:
+    age = process_age_s()
+    os.makedirs(args.work_dir, exist_ok=True)
+    try:
+        warm, meas = draw_samples(args.tokens, args.warmup_tokens, args.measure_tokens, args.work_dir)
+        extract, hidden = measure_extract(args, warm, meas, age)
+        result = {"device": _device_name(), "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  "extract": extract}
+        if not args.skip_train:
+            _free_gpu()
+            result["train"] = measure_train(args, hidden, meas, extract["process_start_s"])
+    finally:
+        shutil.rmtree(args.work_dir, ignore_errors=True)
+    storage.write_json(args.out, result)
+    for stage in ("extract", "train"):
+        if stage in result:
+            r = result[stage]
+            print(f"calibrate-rates: {stage} {r['tok_s']:,.0f} tok/s, start-up {r['startup_s']:.1f} s per job "
+                  f"({r['how']}) on {result['device']}")
+    return 0
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _free_gpu() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
