@@ -111,6 +111,15 @@ def test_offline_training_from_hidden_state_shards_matches_online(tiny_target, t
     off = [json.loads(ln) for ln in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
     assert abs(on[0]["loss"] - off[0]["loss"]) < 1e-4 * abs(on[0]["loss"])
     assert on[0]["count_per_position"] == off[0]["count_per_position"]
+    # the packed layout (the GPU's default offline: all samples of a batch in one row) trains the same, and the
+    # log carries trained positions/s, model TFLOP/s and MFU against the peak given
+    assert run_in_process(*_train_args(tiny_target, hidden_paths, tmp_path / "pk", tmp_path / "pk-ck", mode="offline",
+                                       layout="packed", peak_tflops="0.001", **common)) == 0
+    packed = [json.loads(ln) for ln in (tmp_path / "pk" / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(off, packed):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 * abs(a["loss"]) and a["count_per_position"] == b["count_per_position"]
+    assert off[0]["mfu"] is None and packed[0]["mfu"] == pytest.approx(packed[0]["tflops"] / 1e-3)
+    assert packed[0]["positions_per_s"] > packed[0]["tokens_per_s"] > 0
     # shards extracted at other layers are refused (wrong ids load fine and then accept nothing)
     rc = run_in_process(*_train_args(tiny_target, hidden_paths, tmp_path / "bad", tmp_path / "bad-ck", mode="offline",
                                      target_layer_ids="2", **common))

@@ -6,6 +6,12 @@ turn's last supervised token would train nothing (5.1% of the former candidates 
 benchmarks/wasted_anchors.py). Drawn from a generator seeded by (seed, epoch, position in the epoch): a resumed
 run draws the same anchors as an uninterrupted one. A batch packs all blocks of each sequence into one
 forward (see masks.py for who sees what).
+
+Two layouts: `collate` pads every sample to one row ([B, S], blocks [B, N]); `collate_packed` puts all samples
+of a micro-batch end to end in one row ([1, sum of lengths], blocks [1, sum of anchors]), rounded up to
+multiples only, so the drafter computes the blocks that are trained and no padding blocks (at ShareGPT
+lengths a padded GPU batch of 512 blocks per row computed ~2x the blocks it trained: docs/training.md,
+"Training at small shapes"). Same attention visibility and loss, sample by sample.
 """
 
 from __future__ import annotations
@@ -39,17 +45,28 @@ class Batch:
     anchors: torch.Tensor        # [B, N] long (0 where not valid)
     block_valid: torch.Tensor    # [B, N] bool
     features: torch.Tensor | None  # [B, S, n*H] (offline) or None (online: computed by the target)
+    # packed layout only (None: one sample per row, positions 0.., blocks see keys [0, anchor), labels < length)
+    positions: torch.Tensor | None = None    # [B, S] position of each token inside its own sample
+    block_start: torch.Tensor | None = None  # [B, N] first token of the block's sample
+    block_end: torch.Tensor | None = None    # [B, N] end (exclusive) of the block's sample
 
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
 
     def to(self, device) -> "Batch":
-        return Batch(
-            self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device),
-            self.anchors.to(device), self.block_valid.to(device),
-            None if self.features is None else self.features.to(device, non_blocking=True),
-        )
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return Batch(*(move(t) for t in (self.input_ids, self.loss_mask, self.lengths, self.anchors,
+                                         self.block_valid, self.features, self.positions, self.block_start,
+                                         self.block_end)))
+
+    def pin_memory(self) -> "Batch":
+        """Page-locked host copies (CPU -> GPU copies then run asynchronously, `to(non_blocking)`)."""
+        return Batch(*(None if t is None else t.pin_memory() for t in (
+            self.input_ids, self.loss_mask, self.lengths, self.anchors, self.block_valid, self.features,
+            self.positions, self.block_start, self.block_end)))
 
 
 def collate(samples: list[dict], anchors: list[torch.Tensor], pad_multiple: int = 1, num_blocks: int = 0) -> Batch:
@@ -78,3 +95,40 @@ def collate(samples: list[dict], anchors: list[torch.Tensor], pad_multiple: int 
         if feats is not None:
             feats[i, :t] = x["features"]
     return Batch(input_ids, loss_mask, lengths, anc, valid, feats)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return max(multiple, -(-x // multiple) * multiple)
+
+
+def collate_packed(samples: list[dict], anchors: list[torch.Tensor], token_multiple: int = 128,
+                   block_multiple: int = 8) -> Batch:
+    """All samples end to end in one row: tokens [1, T], blocks [1, N], T and N the totals rounded up to
+    `token_multiple` / `block_multiple` (tile-aligned; the padding tokens belong to no sample and no valid
+    block sees them). `lengths` is [1]: the real tokens of the row."""
+    sizes = [len(x["input_ids"]) for x in samples]
+    total, n_blocks = sum(sizes), sum(len(a) for a in anchors)
+    t_pad, n_pad = _round_up(total, token_multiple), _round_up(n_blocks, block_multiple)
+    input_ids = torch.zeros(1, t_pad, dtype=torch.long)
+    loss_mask = torch.zeros(1, t_pad, dtype=torch.float32)
+    positions = torch.zeros(1, t_pad, dtype=torch.long)
+    anc = torch.zeros(1, n_pad, dtype=torch.long)
+    start = torch.zeros(1, n_pad, dtype=torch.long)
+    end = torch.zeros(1, n_pad, dtype=torch.long)
+    feats = None
+    if "features" in samples[0]:
+        f0 = samples[0]["features"]
+        feats = torch.zeros(1, t_pad, f0.shape[-1], dtype=f0.dtype)
+    off = blk = 0
+    for x, a, t in zip(samples, anchors, sizes):
+        input_ids[0, off:off + t] = torch.as_tensor(x["input_ids"])
+        loss_mask[0, off:off + t] = torch.as_tensor(x["loss_mask"], dtype=torch.float32)
+        positions[0, off:off + t] = torch.arange(t)
+        anc[0, blk:blk + len(a)] = a + off
+        start[0, blk:blk + len(a)] = off
+        end[0, blk:blk + len(a)] = off + t
+        if feats is not None:
+            feats[0, off:off + t] = x["features"]
+        off, blk = off + t, blk + len(a)
+    valid = torch.arange(n_pad)[None, :] < n_blocks
+    return Batch(input_ids, loss_mask, torch.tensor([total]), anc, valid, feats, positions, start, end)

@@ -107,9 +107,13 @@ def draft_all_blocks(drafter, head: TargetHead, batch: Batch, features: torch.Te
     noise[:, :, 0] = torch.where(valid, ids.gather(1, anchors), torch.full_like(anchors, cfg.mask_token_id))
     dtype = compute_dtype or head.embed.weight.dtype
     emb = head.embed(noise.view(b, n * bs)).to(dtype)
-    ctx_pos = torch.arange(s, device=dev).expand(b, s)
-    blk_pos = (anchors[:, :, None] + torch.arange(bs, device=dev)).view(b, n * bs)
-    return drafter(emb, features.to(dtype), ctx_pos, blk_pos, MASK_BUILDERS[attention](anchors, valid, s, bs))
+    if batch.positions is None:  # one sample per row
+        ctx_pos, anchor_pos = torch.arange(s, device=dev).expand(b, s), anchors
+    else:  # packed: positions restart at every sample
+        ctx_pos, anchor_pos = batch.positions, batch.positions.gather(1, anchors)
+    blk_pos = (anchor_pos[:, :, None] + torch.arange(bs, device=dev)).view(b, n * bs)
+    mask = MASK_BUILDERS[attention](anchors, valid, s, bs, batch.block_start)
+    return drafter(emb, features.to(dtype), ctx_pos, blk_pos, mask)
 
 
 def scored_labels(batch: Batch, labels: torch.Tensor, bs: int, gamma: float):
@@ -120,7 +124,8 @@ def scored_labels(batch: Batch, labels: torch.Tensor, bs: int, gamma: float):
     s = labels.shape[1]
     k = torch.arange(bs, device=dev)
     label_pos = anchors[:, :, None] + k                                       # [B, N, bs]
-    in_range = label_pos < batch.lengths[:, None, None]
+    end = batch.lengths[:, None] if batch.block_end is None else batch.block_end   # labels inside the sample
+    in_range = label_pos < end[:, :, None]
     safe = label_pos.clamp(max=s - 1).view(b, n * bs)
     picked = labels.gather(1, safe).view(-1)
     supervised = batch.loss_mask.gather(1, safe).view(b, n, bs) > 0

@@ -1,5 +1,6 @@
 """Training metrics: per-step statistics summed over micro-batches and ranks, the live metrics log
-(`metrics.jsonl`: loss, accuracy, lr, and loss/accuracy per block position), the summary and the plot."""
+(`metrics.jsonl`: loss, accuracy, lr, loss/accuracy per block position, and the speed: data tokens/s, trained
+positions/s, model TFLOP/s and MFU counted as flops.py says), the summary and the plot."""
 
 from __future__ import annotations
 
@@ -18,35 +19,44 @@ log = logging.getLogger("dflash_pipeline.drafter.train")
 class StepMetrics:
     """Sums of the loss statistics since the last logged step, on the training device."""
 
-    def __init__(self, block_size: int, device: torch.device):
-        self.bs, self.device = block_size, device
-        self.stats = torch.zeros(3 * block_size + 3, device=device)  # count, correct, ce | loss*w, w, tokens
+    def __init__(self, block_size: int, device: torch.device, peak_flops: float | None = None):
+        self.bs, self.device, self.peak = block_size, device, peak_flops
+        # count, correct, ce | loss*w, w | tokens, trained positions, TFLOP (host sums, added at record)
+        self.stats = torch.zeros(3 * block_size + 5, device=device)
+        self.host = [0.0, 0.0, 0.0]
         self.t_last = time.perf_counter()
 
-    def add(self, out, num_tokens: int) -> None:
+    def add(self, out, num_tokens: int, positions: int = 0, flops: float = 0.0) -> None:
         bs = self.bs
         self.stats[:bs] += out.count
         self.stats[bs:2 * bs] += out.correct
         self.stats[2 * bs:3 * bs] += out.ce_sum
-        self.stats[3 * bs:] += torch.stack([out.loss.detach() * out.weight_sum,
-                                            torch.tensor(out.weight_sum, device=self.device),
-                                            torch.tensor(float(num_tokens), device=self.device)])
+        self.stats[3 * bs:3 * bs + 2] += torch.stack([out.loss.detach() * out.weight_sum,
+                                                      torch.tensor(out.weight_sum, device=self.device)])
+        for k, x in enumerate((num_tokens, positions, flops / 1e12)):
+            self.host[k] += float(x)
 
     def record(self, dist_, step: int, epoch: float, lr: float, grad_norm) -> dict:
         """The log record of `step` (sums over all ranks); resets the sums."""
         bs = self.bs
+        self.stats[3 * bs + 2:] += torch.tensor(self.host, device=self.device)
         stats = dist_.all_sum(self.stats.clone())
         cnt, cor, ce = stats[:bs], stats[bs:2 * bs], stats[2 * bs:3 * bs]
-        lsum, wsum, toks = stats[3 * bs], stats[3 * bs + 1], stats[3 * bs + 2]
-        elapsed = time.perf_counter() - self.t_last
+        lsum, wsum, toks, positions, tflop = (stats[3 * bs + k] for k in range(5))
+        elapsed = max(time.perf_counter() - self.t_last, 1e-9)
         self.stats.zero_()
+        self.host = [0.0, 0.0, 0.0]
         self.t_last = time.perf_counter()
+        tflops = float(tflop) / elapsed
         return {
             "step": step, "epoch": round(epoch, 3), "lr": lr,
             "loss": float(lsum / wsum.clamp(min=1e-9)),
             "accuracy": float(cor[1:].sum() / cnt[1:].sum().clamp(min=1)),
             "grad_norm": float(grad_norm),
-            "tokens_per_s": float(toks) / max(elapsed, 1e-9),
+            "tokens_per_s": float(toks) / elapsed,
+            "positions_per_s": float(positions) / elapsed,
+            "tflops": tflops,  # model TFLOP/s over all ranks (flops.py)
+            "mfu": None if not self.peak else tflops * 1e12 / (self.peak * dist_.world),
             "acc_per_position": [None if c == 0 else float(a / c) for a, c in zip(cor.tolist(), cnt.tolist())],
             "loss_per_position": [None if c == 0 else float(e / c) for e, c in zip(ce.tolist(), cnt.tolist())],
             "count_per_position": [int(c) for c in cnt.tolist()],
@@ -56,8 +66,10 @@ class StepMetrics:
 def append_record(path: Path, rec: dict, total_steps: int) -> None:
     with open(path, "a") as fh:
         fh.write(json.dumps(rec) + "\n")
-    log.info("step %d/%d epoch %.2f loss %.4f acc %.3f lr %.2e %.0f tok/s", rec["step"], total_steps,
-             rec["epoch"], rec["loss"], rec["accuracy"], rec["lr"], rec["tokens_per_s"])
+    mfu = "" if rec.get("mfu") is None else f" MFU {100 * rec['mfu']:.1f}%"
+    log.info("step %d/%d epoch %.2f loss %.4f acc %.3f lr %.2e %.0f tok/s %.0f positions/s %.1f TFLOP/s%s",
+             rec["step"], total_steps, rec["epoch"], rec["loss"], rec["accuracy"], rec["lr"], rec["tokens_per_s"],
+             rec.get("positions_per_s", 0.0), rec.get("tflops", 0.0), mfu)
 
 
 def read_records(path: Path) -> list[dict]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import math
 import random
@@ -29,11 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from dflash_pipeline import storage
-from dflash_pipeline.drafter.batch import collate
+from dflash_pipeline.drafter.batch import collate, collate_packed
 from dflash_pipeline.drafter.checkpoints import CheckpointStore
 from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.distributed import Dist
 from dflash_pipeline.drafter.features import target_features, target_features_and_predictions
+from dflash_pipeline.drafter.flops import batch_counts, peak_flops, step_flops
 from dflash_pipeline.drafter.heldout import AcceptanceMonitor
 from dflash_pipeline.drafter.loss import WEIGHTINGS, block_loss
 from dflash_pipeline.drafter.metrics import StepMetrics, append_record, plot_metrics, read_records, summarize
@@ -98,6 +100,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the drafter layers (GPU)")
     p.add_argument("--head-chunk", type=int, default=2048,
                    help="scored block tokens per LM-head/CE chunk (0: all logits at once; head_loss.py)")
+    p.add_argument("--layout", choices=["auto", "packed", "padded"], default="auto",
+                   help="packed: a micro-batch's samples end to end in one row, only real blocks computed; padded: "
+                        "one row per sample (on GPU padded to --num-anchors blocks). auto: packed on GPU offline "
+                        "with --compile")
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="bf16 TFLOP/s the logged MFU is set against (0: the measured rate of a known GPU, "
+                        "H200 790; none on CPU)")
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch threads on CPU (1: tiny models run far faster without OpenMP spinning on shared cores)")
     p.add_argument("--trust-remote-code", action="store_true",
@@ -155,6 +164,7 @@ class TrainingRun:
     sched: torch.optim.lr_scheduler.LambdaLR
     target: torch.nn.Module | None
     attention: str
+    packed: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -224,6 +234,17 @@ def _wrap_for_training(args, drafter: DFlashDrafter, dist_: Dist) -> torch.nn.Mo
     return DistributedDataParallel(drafter, device_ids=[dist_.device.index] if gpu else None)
 
 
+def packed_layout(args, dev: torch.device) -> bool:
+    """Pack a micro-batch's samples into one row? auto: on GPU, offline, with --compile (online, the target
+    computes the features of a padded batch; on CPU the dense SDPA mask of a packed row grows with its square;
+    without compile, flex attention is compiled per static shape and a packed row has a new one every step)."""
+    layout = getattr(args, "layout", "auto")
+    if layout == "packed" and args.mode == "online":
+        raise PipelineError("--layout packed needs --mode offline (online features come from a padded batch)")
+    gpu = dev.type == "cuda"
+    return layout == "packed" or (layout == "auto" and gpu and args.mode == "offline" and bool(args.compile))
+
+
 def setup_run(args) -> TrainingRun:
     dist_ = Dist(args.device)
     dev = dist_.device
@@ -246,13 +267,14 @@ def setup_run(args) -> TrainingRun:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_factory(total_steps, warmup))
     attention = args.attention if args.attention != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
     run = TrainingRun(args, dist_, dcfg, head, source, steps, total_steps, drafter,
-                      _wrap_for_training(args, drafter, dist_), opt, sched, _online_target(args, dev), attention)
+                      _wrap_for_training(args, drafter, dist_), opt, sched, _online_target(args, dev), attention,
+                      packed_layout(args, dev))
     if dist_.main:
         log.info("drafter: %d layers, %.1fM trainable parameters, target layers %s, mask token %d, %s attention; "
-                 "%d samples, %d steps (%d per epoch), global batch %d, world %d, device %s",
+                 "%d samples, %d steps (%d per epoch), global batch %d, world %d, device %s, %s layout",
                  dcfg.num_hidden_layers, count_parameters(drafter) / 1e6, dcfg.target_layer_ids,
                  dcfg.mask_token_id, attention, len(source), total_steps, steps.steps_per_epoch,
-                 steps.global_batch, dist_.world, dev)
+                 steps.global_batch, dist_.world, dev, "packed" if run.packed else "padded")
     return run
 
 
@@ -308,15 +330,29 @@ def measure_acceptance(run: TrainingRun, monitor: AcceptanceMonitor, step: int) 
     return {**rec, "heldout_stopped_improving": verdict["stopped_improving"]}
 
 
+def collate_micro(run: TrainingRun, micro) -> list:
+    """One step's micro-batches as (batch on the host, StepCounts) pairs: collated, packed or padded, and
+    pinned on GPU runs (built in the prefetch thread, so the copy to the GPU is all the step waits for)."""
+    out = []
+    for samples, anchors in micro:
+        if run.packed:
+            batch = collate_packed(samples, anchors)
+        else:  # fixed padded shapes on GPU, so compiled kernels see few distinct shapes
+            batch = collate(samples, anchors, pad_multiple=256 if run.gpu else 1,
+                            num_blocks=run.args.num_anchors if run.gpu else 0)
+        counts = batch_counts(batch, run.dcfg.block_size)
+        out.append((batch.pin_memory() if run.gpu else batch, counts))
+    return out
+
+
 def train_step(run: TrainingRun, micro, metrics: StepMetrics) -> torch.Tensor:
-    """Forward/backward of every micro-batch (gradients synced on the last), clip, optimizer step; the grad norm."""
+    """Forward/backward of every micro-batch (gradients synced on the last), clip, optimizer step; the grad norm.
+    `micro`: collate_micro's (batch, counts) pairs."""
     run.model.train()
     ddp = run.dist.world > 1
     drafter_call = _DDPCall(run.model) if ddp else run.model
-    for m, (samples, anchors) in enumerate(micro):
-        # fixed padded shapes on GPU, so compiled kernels see few distinct shapes
-        batch = collate(samples, anchors, pad_multiple=256 if run.gpu else 1,
-                        num_blocks=run.args.num_anchors if run.gpu else 0).to(run.device)
+    for m, (host_batch, counts) in enumerate(micro):
+        batch = host_batch.to(run.device)
         feats, labels = _features_and_labels(run, batch)
         sync = run.model.no_sync() if ddp and m < len(micro) - 1 else contextlib.nullcontext()
         with sync, torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.gpu):
@@ -325,7 +361,8 @@ def train_step(run: TrainingRun, micro, metrics: StepMetrics) -> torch.Tensor:
                              head_chunk=run.args.head_chunk, weighting=run.args.loss_weighting,
                              dpace_alpha=run.args.dpace_alpha)
             (out.loss / len(micro)).backward()
-        metrics.add(out, batch.num_tokens)
+        counts = dataclasses.replace(counts, scored=out.scored_tokens)
+        metrics.add(out, counts.context, counts.positions, step_flops(run.dcfg, counts))
     if run.args.grad_clip > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), run.args.grad_clip)
     else:
@@ -370,12 +407,12 @@ def _run(args) -> int:
     fp = run_fingerprint(args, run.dcfg, run.total_steps, run.steps.global_batch, run.source)
     store = CheckpointStore(args.checkpoint_dir, fp, args.keep_checkpoints, run.dist, args.checkpoint_mirror)
     start_step = store.restore(run.drafter, run.opt, run.sched, run.device)
-    metrics = StepMetrics(run.dcfg.block_size, run.device)
+    metrics = StepMetrics(run.dcfg.block_size, run.device, peak_flops(run.device, args.peak_tflops))
     monitor = acceptance_monitor(run)
     if monitor and store.metrics_path.exists():
         monitor.load_history(read_records(store.metrics_path))
     t_start = time.perf_counter()
-    prefetch = Prefetcher(run.steps)
+    prefetch = Prefetcher(lambda step: collate_micro(run, run.steps(step)))
     progress = Progress("train", run.total_steps, "steps", log, start=start_step)  # elapsed and ETA
     if start_step < run.total_steps:
         prefetch.start(start_step)

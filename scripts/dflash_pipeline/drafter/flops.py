@@ -1,0 +1,68 @@
+"""Model FLOPs of a training step, counted over what is trained (not over padding), and the MFU they give.
+
+Counted (matmuls and attention only; norms, RoPE, softmax and the optimizer are left out, as MFU counts go):
+- every position of every valid block (anchor + block_size - 1 mask tokens: `block_size` computed positions
+  per anchor), in each of the L drafter layers: q/k/v/o projections 2*H*(2*Hq*D + 2*Hkv*D) and the SwiGLU
+  MLP 2*3*H*I, plus attention 4*Hq*D per key it sees (the context before its anchor, from its own sample's
+  first token, and the block's own block_size keys); times 3 for forward + backward (input and weight
+  gradients);
+- every context token (the sample's own tokens, whose target features the drafter reads): the fc fusion
+  2*(n*H)*H forward + the same for its weight gradient (the features need no gradient), and its k/v
+  projection in every layer 2*H*2*Hkv*D, times 3;
+- every scored position (a block position k >= 1 whose label is supervised and inside the sample): the
+  frozen LM head's forward 2*H*V and its input gradient 2*H*V (no weight gradient: the head is frozen).
+At the SmolLM2-135M drafter shape (5 layers, H 576, 9/3 heads of 64, I 1536, V 49,152) that is 106.2 MFLOP
+per computed block position, 34.6 KFLOP per attended key, 113.2 MFLOP per scored position and 13.3 MFLOP
+per context token: ~230 MFLOP per trained position at ~200 context keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# measured bf16 dense matmul rate (8192^3, benchmarks/gpu_rates.py): the ceiling MFU is set against
+MEASURED_BF16 = {"H200": 790e12}
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    positions: int    # trained positions: block_size per valid block (anchor), the scored ones among them
+    attended: int     # keys attended, summed over those positions
+    context: int      # context (data) tokens
+    scored: int = 0   # scored positions (through the LM head)
+
+    def __add__(self, other: "StepCounts") -> "StepCounts":
+        return StepCounts(*(a + b for a, b in zip(vars(self).values(), vars(other).values())))
+
+
+def batch_counts(batch, block_size: int) -> StepCounts:
+    """Blocks, attended keys and context tokens of a batch (padded or packed layout; any device)."""
+    valid = batch.block_valid
+    start = torch.zeros_like(batch.anchors) if batch.block_start is None else batch.block_start
+    seen = ((batch.anchors - start).clamp(min=0) + block_size) * valid        # keys per position of each block
+    return StepCounts(int(valid.sum()) * block_size, int(seen.sum()) * block_size, int(batch.lengths.sum()))
+
+
+def step_flops(cfg, counts: StepCounts) -> float:
+    """Model FLOPs (forward + backward) of a step with these counts, for a drafter config (see the docstring)."""
+    h, i, v, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_position = 2 * h * (2 * q_dim + 2 * kv_dim) + 2 * 3 * h * i
+    layers = 3 * n_layers * (counts.positions * per_position + 4 * q_dim * counts.attended)
+    fc = 2 * 2 * len(cfg.target_layer_ids) * h * h
+    context = counts.context * (fc + 3 * n_layers * 2 * h * 2 * kv_dim)
+    head = counts.scored * 2 * 2 * h * v
+    return float(layers + context + head)
+
+
+def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
+    """The FLOP/s MFU is set against: `override_tflops` if given, else the measured rate of a known GPU,
+    else None (CPU, unknown GPU: MFU is not reported)."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((rate for key, rate in MEASURED_BF16.items() if key in name), None)

@@ -1,0 +1,139 @@
+"""The packed training layout (all samples of a micro-batch in one row) and the FLOP count behind the logged MFU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_pipeline.drafter.batch import collate, collate_packed, sample_anchors
+from dflash_pipeline.drafter.config import DrafterConfig
+from dflash_pipeline.drafter.distributed import Dist
+from dflash_pipeline.drafter.features import target_features
+from dflash_pipeline.drafter.flops import StepCounts, batch_counts, step_flops
+from dflash_pipeline.drafter.loss import block_loss
+from dflash_pipeline.drafter.metrics import StepMetrics
+from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.target_head import load_target_head, resolve_mask_token_id
+from dflash_pipeline.target import read_config as read_target_config
+from dflash_pipeline.target_layers import default_target_layer_ids
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    tc = read_target_config(tiny_target)
+    head = load_target_head(tiny_target)
+    ids = default_target_layer_ids(tc["num_hidden_layers"], 2)
+    cfg = DrafterConfig.from_target(tc, 2, ids, 8, resolve_mask_token_id(tiny_target, None, head.vocab_rows),
+                                    head.vocab_rows)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    return cfg, head, target
+
+
+def _samples(cfg, target, lengths=(40, 57, 23), prompt=10, anchors=7):
+    """Samples with their stored features (as the offline source gives them) and their anchors."""
+    rng = np.random.default_rng(0)
+    g = torch.Generator().manual_seed(0)
+    samples, anc = [], []
+    for n in lengths:
+        mask = np.zeros(n, np.uint8)
+        mask[prompt:] = 1
+        ids = rng.integers(0, 1000, n)
+        feats = target_features(target, torch.as_tensor(ids)[None], torch.tensor([n]), cfg.target_layer_ids)[0]
+        samples.append({"input_ids": ids, "loss_mask": mask, "features": feats})
+        anc.append(sample_anchors(mask, anchors, g))
+    return samples, anc
+
+
+def _loss_and_grads(cfg, head, batch):
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    out = block_loss(drafter, head, batch, batch.features, 7.0, head_chunk=16)
+    out.loss.backward()
+    return out, torch.cat([p.grad.flatten() for p in drafter.parameters()])
+
+
+def test_packed_row_gives_the_padded_loss_gradients_and_counts(parts):
+    """Three samples end to end in one row (positions restarting, blocks seeing their own sample only, tail
+    padding) train exactly as one padded row per sample: same loss, gradients, per-position counts."""
+    cfg, head, target = parts
+    samples, anc = _samples(cfg, target)
+    padded = collate(samples, anc, num_blocks=9)  # padding blocks too, as on a GPU
+    packed = collate_packed(samples, anc, token_multiple=64, block_multiple=8)
+    assert packed.input_ids.shape == (1, 128) and packed.anchors.shape == (1, 24)
+    assert int(packed.block_valid.sum()) == sum(len(a) for a in anc) == 21
+    a, ga = _loss_and_grads(cfg, head, padded)
+    b, gb = _loss_and_grads(cfg, head, packed)
+    assert torch.equal(a.count, b.count) and torch.equal(a.correct, b.correct)
+    assert a.scored_tokens == b.scored_tokens and a.block_tokens == b.block_tokens
+    assert abs(float(a.loss.detach()) - float(b.loss.detach())) < 1e-5 * float(a.loss.detach())
+    assert float((ga - gb).norm() / ga.norm()) < 1e-5
+    assert batch_counts(padded, cfg.block_size) == batch_counts(packed, cfg.block_size)
+
+
+def _tile_sets(m):
+    return [(sorted(m.kv_indices[0, 0, qi, :int(m.kv_num_blocks[0, 0, qi])].tolist()),
+             sorted(m.full_kv_indices[0, 0, qi, :int(m.full_kv_num_blocks[0, 0, qi])].tolist()))
+            for qi in range(m.kv_num_blocks.shape[2])]
+
+
+@pytest.mark.parametrize("lengths,tile_multiple,has_full", [((300, 520, 77, 410), 128, True), ((130, 90), 1, False)])
+def test_packed_tile_block_mask_equals_create_block_mask(lengths, tile_multiple, has_full):
+    """The GPU's BlockMask of a packed row, counted per tile from the anchors and each block's sample start,
+    has exactly the tiles torch's create_block_mask finds by evaluating every (query, key) pair."""
+    from dflash_pipeline.drafter.masks import flex_block_mask, tile_block_mask
+
+    g = torch.Generator().manual_seed(1)
+    samples, anc = [], []
+    for n in lengths:
+        mask = np.ones(n, np.uint8)
+        mask[: n // 3] = 0
+        samples.append({"input_ids": np.zeros(n, np.int64), "loss_mask": mask})
+        anc.append(sample_anchors(mask, 40, g))
+    bt = collate_packed(samples, anc, token_multiple=tile_multiple, block_multiple=tile_multiple)
+    s, bs = bt.input_ids.shape[1], 16
+    ref = flex_block_mask(bt.anchors, bt.block_valid, s, bs, bt.block_start)
+    new = tile_block_mask(bt.anchors, bt.block_valid, s, bs, bt.block_start)
+    assert _tile_sets(new) == _tile_sets(ref) and new.seq_lengths == ref.seq_lengths
+    assert any(p for p, _ in _tile_sets(new)) and any(f for _, f in _tile_sets(new)) == has_full
+
+
+def _tiny_config():
+    return DrafterConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=4, num_hidden_layers=1, num_target_layers=4, target_layer_ids=[1, 2],
+                         block_size=4, mask_token_id=0, vocab_size=10)
+
+
+def test_step_flops_equal_a_hand_count():
+    """H 8, I 16, 2 query heads and 1 kv head of 4, 1 layer, 2 target layers, vocab 10, blocks of 4; one
+    sample of 6 tokens, anchors 1 and 3, 5 scored positions."""
+    cfg = _tiny_config()
+    mask = np.ones(6, np.uint8)
+    batch = collate([{"input_ids": np.arange(6), "loss_mask": mask}], [torch.tensor([1, 3])], num_blocks=3)
+    counts = batch_counts(batch, cfg.block_size)
+    # positions: 2 valid blocks x 4 (the padding block is not counted); keys: (1 + 4) x 4 + (3 + 4) x 4
+    assert counts == StepCounts(positions=8, attended=48, context=6)
+    # per position: q 2*8*8 + k 2*8*4 + v 2*8*4 + o 2*8*8 = 384, MLP 3 * 2*8*16 = 768 -> 1152
+    # layers: 3 (fwd + bwd) x (8 positions x 1152 + attention 4 x 8 (q dim) x 48 keys = 1536) = 32256
+    # context: 6 tokens x (fc 2*16*8 fwd + the same for its weight gradient = 512, k/v 3 x 2*8*8 = 384) = 5376
+    # head: 5 scored x (2*8*10 forward + 2*8*10 input gradient) = 1600
+    assert step_flops(cfg, StepCounts(8, 48, 6, scored=5)) == 32256 + 5376 + 1600
+
+
+def test_metrics_record_positions_tflops_and_mfu(parts):
+    """The logged record carries trained positions/s, model TFLOP/s and MFU (against the given peak)."""
+    cfg, head, target = parts
+    samples, anc = _samples(cfg, target)
+    batch = collate_packed(samples, anc)
+    out, _ = _loss_and_grads(cfg, head, batch)
+    counts = batch_counts(batch, cfg.block_size)
+    flops = step_flops(cfg, StepCounts(counts.positions, counts.attended, counts.context, out.scored_tokens))
+    metrics = StepMetrics(cfg.block_size, torch.device("cpu"), peak_flops=1e9)
+    metrics.add(out, counts.context, counts.positions, flops)
+    rec = metrics.record(Dist("cpu"), 1, 0.1, 1e-3, torch.tensor(1.0))
+    assert rec["positions_per_s"] > 0 and rec["tokens_per_s"] > 0
+    assert rec["positions_per_s"] / rec["tokens_per_s"] == pytest.approx(counts.positions / counts.context, rel=1e-5)
+    assert rec["mfu"] == pytest.approx(rec["tflops"] * 1e12 / 1e9)
+    assert StepMetrics(cfg.block_size, torch.device("cpu")).record(Dist("cpu"), 1, 0.1, 0.0, 0.0)["mfu"] is None
