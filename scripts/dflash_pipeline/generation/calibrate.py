@@ -4,7 +4,9 @@ It takes `generate`'s own flags (the rule passes the same ones), starts the back
 does (`stage.serving` + `stage.make_engine`: the same servers, launch flags and requests in flight) and sends
 a calibration sample (`dflash-pipeline calibrate-sample`: the corpus's real prompts, stratified over prompt
 lengths and shards) through the same client code (`generate_sample`). The warm-up prompts go first and
-are not measured. Writes one JSON (`--out`) that the plan projects the whole corpus from and that
+are not measured. An engine whose rate grows with the rows decoding together (the hf slot engine: its
+`calibration_requests`) gets the sample repeated up to that many requests, so every slot is busy as in the run.
+Writes one JSON (`--out`) that the plan projects the whole corpus from and that
 `generate --calibration` compares its live rate with.
 
 The rate a long run sees is the steady state: every request slot busy, from start-up to its last requests.
