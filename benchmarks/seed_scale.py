@@ -265,7 +265,9 @@ def job_benchmarks(results: Path) -> dict[str, list[dict]]:
         with open(path) as fh:
             rows = list(csv.DictReader(fh, delimiter="\t"))
         for row in rows[-1:]:
-            out[rule].append({k: float(v) if re.fullmatch(r"[-0-9.e]+", v or "") else v for k, v in row.items()})
+            # "-": Snakemake took no sample (it samples a job at start, then every 0.5 s, then every 30 s)
+            out[rule].append({k: None if v == "-" else float(v) if re.fullmatch(r"[-0-9.e]+", v or "") else v
+                              for k, v in row.items()})
     return out
 
 

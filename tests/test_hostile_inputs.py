@@ -182,8 +182,6 @@ def test_nfc_and_nfd_spellings_are_one_sample(tmp_path):
 # ------------------------------------------------------------------------------ 5: an absurd drafter config
 @pytest.mark.timeout(120)  # building a million layers (even on the meta device) took minutes before
 def test_export_and_evaluate_check_the_layer_count_against_the_weights_first(tiny_target, tmp_path, capsys):
-    import time as _time
-
     import torch
     from safetensors.torch import save_file
 
@@ -198,7 +196,6 @@ def test_export_and_evaluate_check_the_layer_count_against_the_weights_first(tin
     src.mkdir()
     save_file(DFlashDrafter(cfg).engine_state_dict(), str(src / "drafter.safetensors"))
     storage.write_json(src / "drafter_config.json", dict(cfg.to_dict(), num_hidden_layers=1_000_000))
-    t0 = _time.monotonic()
     _one_line_error(cli_main(capsys, "export", "--drafter", src, "--model", tiny_target, "--out", tmp_path / "o"),
                     "drafter.safetensors", "num_hidden_layers 1000000", "hold 2 layers")
     assert not (tmp_path / "o").exists()
@@ -208,7 +205,7 @@ def test_export_and_evaluate_check_the_layer_count_against_the_weights_first(tin
     storage.write_json(tmp_path / "o" / "config.json", dict(exported, num_hidden_layers=1_000_000))
     with pytest.raises(PipelineError, match=r"model\.safetensors: the config says num_hidden_layers 1000000"):
         load_exported(tmp_path / "o", dtype=torch.float32)  # what `evaluate` loads the drafter with
-    assert _time.monotonic() - t0 < 60
+    # no wall-time assert (it failed under load): building a million layers exceeds the timeout above instead
 
 
 # ------------------------------------------------------------------------------ 6: token ids outside the vocabulary
