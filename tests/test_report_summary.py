@@ -59,10 +59,17 @@ def _run(tmp_path, device: str) -> Page:
                          "file_bytes": 3_910_000, "samples": 31, "codec": "zstd", "device": device,
                          "tokens_per_s": 550.0},
         "report.json": {"passed": True, "block_size": 16, "target_layer_ids": [1, 2], "reasons": [],
-                        "trained": {"tau": 9.877551020408163}, "untrained": {"tau": 1.0}},
+                        "trained": {"tau": 9.877551020408163}, "untrained": {"tau": 1.0},
+                        "temperatures": {"0": {"untrained": 1.0, "trained": 9.877551020408163},
+                                         "0.7": {"untrained": 1.0101, "trained": 4.05}},
+                        "prompts": {"count": 16}},
     }
     for name, obj in files.items():
         (tmp_path / name).write_text(json.dumps(obj))
+    from dflash_pipeline.drafter.evaluate import plot_acceptance  # the evaluate stage's plot, beside its report
+
+    curve = {"tau": 9.9, "acceptance_per_position": [None] + [0.9 - 0.05 * k for k in range(15)]}
+    plot_acceptance({"trained": curve}, {"0.7": {"trained": dict(curve, tau=4.1)}}, tmp_path / "acceptance.png")
     (tmp_path / "drafter").mkdir()
     (tmp_path / "drafter" / "metrics.jsonl").write_text("".join(
         json.dumps({"step": s, "loss": 3.0 / s, "accuracy": 0.1 * s, "lr": 1e-3, "tokens_per_s": 812.5,
@@ -82,7 +89,7 @@ def _run(tmp_path, device: str) -> Page:
 
 def test_summary_embeds_its_figures_and_formats_every_number(tmp_path):
     page = _run(tmp_path, "cpu")
-    assert len(page.images) == 4
+    assert len(page.images) == 5  # tau, the acceptance curve, generation, extraction, training
     for src in page.images:
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
@@ -123,3 +130,25 @@ def test_units():
     assert units.tok_s(73760.4) == "73,760 tok/s" and units.tok_s(0.5) == "0.5 tok/s"
     assert units.hours(2.5e-6, "GPU-hours") == "0.009 GPU-seconds" and units.hours(0.5, "job-hours") == "0.5 job-hours"
     assert units.percent(0.5) == "50%" and units.ratio(1.153) == "1.15x" and units.listing({}) == "–"
+
+
+def test_the_summary_leads_with_tau_greedy_and_sampled_then_cost_then_data(tmp_path):
+    """Issue 27: tau came last (~2,400 px down), greedy only, without the acceptance curve; one row mixed units."""
+    _run(tmp_path, "cpu")
+    text = (tmp_path / "report" / "summary.html").read_text()
+    headings = re.findall(r"<h2>(.*?)</h2>", text)
+    assert headings[0] == "Result: acceptance length (tau)" and headings[1].startswith("Cost:"), headings
+    assert all(h.startswith("Data:") for h in headings[3:]), headings
+    first = text.split("<h2>", 2)[1]  # the result's section: both temperatures and two figures
+    page = Page()
+    page.feed(first)
+    rows = {r[0]: r[1:] for r in page.rows if len(r) == 4}
+    assert rows["greedy (T=0)"] == ["9.878", "1", "9.88x"]
+    assert rows["sampled, T=0.7 (speculative sampling)"] == ["4.05", "1.01", "4.01x"]
+    assert len(page.images) == 2
+    page = Page()
+    page.feed(text)
+    for r in page.rows:  # one unit per row of plan vs actual
+        if len(r) == 5 and "hours" in r[1]:
+            units_used = {c.split()[-1] for c in r[2:4] if c != units.NONE}
+            assert len(units_used) == 1, r

@@ -77,9 +77,11 @@ def generation_figure(summaries: list[str], out: Path) -> dict:
     ax1.plot(list(x), length, "k.", label="finish_reason=length")
     ax1.set_title("Samples per shard")
     ax1.set_xticks(list(x), names, rotation=60, ha="right", fontsize=7)
-    ax1.legend(fontsize=7)
+    ax1.set_ylim(0, max([a + b for a, b in zip(ok, failed)] + length + [1]) * 1.15)  # headroom: no bar at the top
+    ax1.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over one
     tps = [(s.get("this_run") or {}).get("completion_tokens_per_s", 0) for _, s in rows]
     ax2.bar(x, tps)
+    ax2.set_ylim(0, max(tps + [1e-9]) * 1.15)
     ax2.set_title("Completion tokens/s (last run of each shard)")
     ax2.set_xticks(list(x), names, rotation=60, ha="right", fontsize=7)
     _save(fig, out)
@@ -169,18 +171,32 @@ def tau_figure(report: str | None, out: Path) -> dict:
         return {}
     rep = _read_json(report)
     names = [n for n in ("untrained", "trained") if isinstance(rep.get(n), dict)]
-    taus = [rep[n].get("tau", 0) for n in names]
+    temps = rep.get("temperatures") or {"0": {n: rep[n].get("tau") for n in names}}
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar(names, taus, color=["#999999", "#1f77b4"][: len(names)])
-    for i, t in enumerate(taus):
-        ax.text(i, t, f"{t:.2f}", ha="center", va="bottom")
-    ax.set_ylabel("tau (accepted tokens per target forward)")
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    width = 0.8 / max(1, len(names))
+    top = 0.0
+    for j, (name, color) in enumerate(zip(names, ("#999999", "#1f77b4"))):
+        for i, by in enumerate(temps.values()):
+            t = by.get(name) or 0.0
+            top = max(top, t)
+            ax.bar(i + (j - (len(names) - 1) / 2) * width, t, width, color=color, label=name if i == 0 else None)
+            ax.text(i + (j - (len(names) - 1) / 2) * width, t, f"{t:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(temps)), [TEMPERATURE_LABEL(t) for t in temps])
+    ax.set_ylim(0, top * 1.2 or 1)  # headroom for the labels
+    ax.set_ylabel("tau (tokens per target forward)")
     ax.set_title(f"Acceptance length, block size {rep.get('block_size')}")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     _save(fig, out)
     return {"passed": rep.get("passed"), "block_size": rep.get("block_size"),
             "target_layer_ids": rep.get("target_layer_ids"), **{f"tau_{n}": rep[n].get("tau") for n in names},
-            "reasons": rep.get("reasons")}
+            "reasons": rep.get("reasons"), "temperatures": temps,
+            "prompts": (rep.get("prompts") or {}).get("count"),
+            "acceptance_plot": str(Path(report).with_name("acceptance.png"))}
+
+
+def TEMPERATURE_LABEL(t: str) -> str:  # noqa: N802 - used like a constant table
+    return "greedy (T=0)" if float(t) == 0 else f"sampled, T={t}"
 
 
 def stage_times(bench_dir: str | None) -> dict:
@@ -304,23 +320,28 @@ def calibration_summary(path: str | None) -> dict:
 
 
 def write_summary(out_dir: Path, sections: dict[str, dict], versus: list[list]) -> None:
-    """summary.html: one self-contained page, figures embedded, every number with its unit."""
-    figure = {"Generation": "generation.png", "Extraction": "extraction.png", "Training": "training.png",
-              "Acceptance length (tau)": "tau.png"}
-    rows = {"Generation": page.generation_rows, "Extraction": page.extraction_rows, "Training": page.training_rows,
-            "Acceptance length (tau)": page.tau_rows, "Generation calibration": page.calibration_rows}
-    parts = []
-    for title, make_rows in rows.items():
-        data = sections.get(title) or {}
-        img = page.embedded_png(out_dir / figure[title], title) if title in figure else None
-        parts.append(page.section(title, make_rows(data) if data else [], img))
+    """summary.html: one self-contained page, figures embedded, every number with its unit. The result leads (tau
+    greedy and sampled, trained vs untrained, the acceptance curve), then the cost, then the data: each part is
+    one (title, html) entry of `parts`, so a new section slots in where it belongs."""
+    tau = sections.get("Acceptance length (tau)") or {}
+    result = (page.tau_table(tau) + page.embedded_png(out_dir / "tau.png", "tau")
+              + page.embedded_png(tau.get("acceptance_plot"), "acceptance per block position")
+              + page.table(page.tau_rows(tau))) if tau else "<p class='note'>no evaluation report</p>"
     times = sections.get("Stage wall time (Snakemake benchmarks)") or {}
-    parts.append("<h2>Stage wall time (Snakemake benchmarks)</h2>" + (
-        page.grid(["stage", "jobs", "wall time, all jobs", "longest job"], page.stage_time_rows(times))
-        if times else "<p class='note'>no benchmark files</p>"))
-    parts.append("<h2>Calibration and plan vs actual</h2>" + (
-        page.grid(["stage", "measure", "calibrated / planned", "actual", "actual / planned"],
-                  page.versus_rows(versus)) if versus else "<p class='note'>no plan in this run</p>"))
+    parts = [("Result: acceptance length (tau)", result),
+             ("Cost: stage wall time (Snakemake benchmarks)",
+              page.grid(["stage", "jobs", "wall time, all jobs", "longest job"], page.stage_time_rows(times))
+              if times else "<p class='note'>no benchmark files</p>"),
+             ("Cost: calibration and plan vs actual",
+              page.grid(["stage", "measure", "calibrated / planned", "actual", "actual / planned"],
+                        page.versus_rows(versus)) if versus else "<p class='note'>no plan in this run</p>")]
+    data = {"Generation": (page.generation_rows, "generation.png"),
+            "Generation calibration": (page.calibration_rows, None),
+            "Extraction": (page.extraction_rows, "extraction.png"), "Training": (page.training_rows, "training.png")}
+    for title, (make_rows, fig) in data.items():
+        d = sections.get(title) or {}
+        img = page.embedded_png(out_dir / fig, title) if fig else None
+        parts.append((f"Data: {title.lower()}", page.section_body(make_rows(d) if d else [], img)))
     page.write_summary_page(out_dir / "summary.html", parts)
 
 

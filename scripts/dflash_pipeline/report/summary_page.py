@@ -30,6 +30,9 @@ MEASURE_FORMAT = {
 }
 
 
+HOURS_MEASURES = {"job-hours (Snakemake benchmarks)": "job-hours", "GPU-hours (job-hours x GPUs per job)": "GPU-hours"}
+
+
 def embedded_png(path: str | Path | None, alt: str) -> str:
     if not path or not os.path.exists(path):
         return ""
@@ -109,19 +112,38 @@ def versus_rows(rows: list[list]) -> list[list[str]]:
     cells = []
     for stage, measure, planned, actual, ratio, note in rows:
         fmt = MEASURE_FORMAT.get(measure, u.number)
+        if measure in HOURS_MEASURES:  # one unit per row: both in seconds, or both in hours
+            small = all(v is None or v < 0.01 for v in (planned, actual))
+            fmt = lambda v, what=HOURS_MEASURES[measure], small=small: u.hours(v, what, small)  # noqa: E731
         cells.append([stage, measure, fmt(planned), fmt(actual), note or u.ratio(ratio)])
     return cells
 
 
-def section(title: str, rows, figure: str | None = None) -> str:
-    head = f"<h2>{html.escape(title)}</h2>"
+def tau_table(d: dict) -> str:
+    """The headline: tau per temperature (greedy, then each sampled one), trained vs untrained and their ratio."""
+    rows = []
+    for t, by in (d.get("temperatures") or {}).items():
+        tr, un = by.get("trained"), by.get("untrained")
+        how = "greedy (T=0)" if float(t) == 0 else f"sampled, T={t} (speculative sampling)"
+        rows.append([how, u.number(tr), u.number(un), u.ratio(tr / un if tr is not None and un else None)])
+    note = f"<p class='note'>on {u.count(d['prompts'])} held-out prompts</p>" if d.get("prompts") else ""
+    return grid(["decoding", "tau, trained drafter", "tau, untrained drafter", "trained / untrained"], rows) + note
+
+
+def section_body(rows, figure: str | None = None) -> str:
     if not rows:
-        return head + "<p class='note'>not run in this configuration</p>" + (figure or "")
-    return head + (figure or "") + table(rows)
+        return "<p class='note'>not run in this configuration</p>" + (figure or "")
+    return (figure or "") + table(rows)
 
 
-def write_summary_page(out: Path, parts: list[str]) -> None:
+def section(title: str, rows, figure: str | None = None) -> str:
+    return f"<h2>{html.escape(title)}</h2>" + section_body(rows, figure)
+
+
+def write_summary_page(out: Path, parts: list[tuple[str, str]]) -> None:
+    """parts: (section title, its HTML) in reading order."""
+    body = "".join(f"<h2>{html.escape(title)}</h2>{content}" for title, content in parts)
     page = ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>DFlash pipeline run</title>"
-            f"<style>{STYLE}</style></head><body><h1>DFlash pipeline run</h1>{''.join(parts)}</body></html>\n")
+            f"<style>{STYLE}</style></head><body><h1>DFlash pipeline run</h1>{body}</body></html>\n")
     with atomic_open(out, "w", encoding="utf-8") as fh:
         fh.write(page)

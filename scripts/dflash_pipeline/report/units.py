@@ -39,11 +39,12 @@ def seconds(v) -> str:
     return f"{int(v // 3600)} h {(v % 3600) / 60:02.0f} min"
 
 
-def hours(v, what: str = "h") -> str:
-    """GPU-hours or job-hours; below 0.01 h in seconds of the same kind (`GPU-hours` -> `GPU-seconds`)."""
+def hours(v, what: str = "h", small: bool | None = None) -> str:
+    """GPU-hours or job-hours; below 0.01 h in seconds of the same kind (`GPU-hours` -> `GPU-seconds`). `small`
+    decides for a whole row (True: seconds, False: hours), so two cells never mix the units."""
     if v is None:
         return NONE
-    if 0 < v < 0.01:
+    if small if small is not None else 0 < v < 0.01:
         return f"{v * 3600:.3g} {what.replace('hours', 'seconds')}"
     return f"{v:,.1f} {what}" if v >= 10 else f"{v:.3g} {what}"
 
