@@ -5,16 +5,18 @@ of the workflow, so that the README and what the workflow does cannot drift apar
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
 
-from conftest import REPO
+from conftest import BIN, REPO
 from workflow_runs import TINY_CONFIG, planned, workflow_env
 
 README = REPO / "README.md"
 EXAMPLE = "config/qwen3-8b.example.yaml"
 USER_CONFIG = "config/my-run.yaml"
+SETUP = "source .venv/bin/activate"  # the README's line for a new shell; every later command runs after it
 BLOCK_RE = re.compile(r"^```(?P<info>[^\n]*)\n(?P<body>.*?)^```", flags=re.M | re.S)
 
 
@@ -43,14 +45,27 @@ def serve_draft_paths(text: str | None = None) -> list[str]:
     return paths
 
 
+def new_shell_env() -> dict:
+    """The environment of a new shell: the project's venv is not on PATH (only `make` puts it there), so a README
+    command works only after the setup line the README tells a user to run."""
+    env = {k: v for k, v in workflow_env().items() if k != "VIRTUAL_ENV"}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if Path(p) != BIN and p)
+    return env
+
+
 def walk(workdir: Path, timeout: float = 600) -> list[tuple[str, subprocess.CompletedProcess]]:
-    """Run the README's path commands in `workdir` as a user types them. The user's edit of the copied example
-    (their inputs and model) is the tiny test config: it is written over `config/my-run.yaml` right after the
-    README's `cp` made it. Each command must succeed; returns (command, result) pairs."""
+    """Run the README's path commands in `workdir` as a user types them in a new shell: the README's setup line
+    (`source .venv/bin/activate`; `.venv` is the project's) first, then each command. The user's edit of the copied
+    example (their inputs and model) is the tiny test config: it is written over `config/my-run.yaml` right after
+    the README's `cp` made it. Each command must succeed; returns (command, result) pairs."""
     done = []
-    for cmd in path_commands():
-        proc = subprocess.run(["bash", "-c", cmd], cwd=workdir, env=workflow_env(), capture_output=True,
-                              text=True, timeout=timeout)
+    if not (workdir / ".venv").exists():
+        (workdir / ".venv").symlink_to(BIN.parent)
+    cmds = path_commands()
+    assert cmds[0] == SETUP, cmds[:1]
+    for cmd in cmds[1:]:
+        proc = subprocess.run(["bash", "-c", f"{SETUP} && {cmd}"], cwd=workdir, env=new_shell_env(),
+                              capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             raise AssertionError(f"README command failed ({proc.returncode}): {cmd}\n"
                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")

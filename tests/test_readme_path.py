@@ -5,9 +5,10 @@ each section is listed in the contents, and every link between the README and do
 from __future__ import annotations
 
 import re
+import subprocess
 
-from conftest import REPO
-from readme_path import README, USER_CONFIG, path_blocks, path_commands, serve_draft_paths
+from conftest import BIN, REPO
+from readme_path import README, SETUP, USER_CONFIG, new_shell_env, path_blocks, path_commands, serve_draft_paths
 
 LINK_RE = re.compile(r"\]\((?P<target>[^)\s]+)\)")
 FENCE_RE = re.compile(r"^```.*?^```", flags=re.M | re.S)
@@ -40,7 +41,7 @@ def test_every_step_of_the_path_has_commands_on_the_users_config():
             continue
         assert path_blocks(step), f"step '{title}' has no readme-path block"
     cmds = path_commands()
-    assert cmds[0] == f"cp config/qwen3-8b.example.yaml {USER_CONFIG}"
+    assert cmds[:2] == [SETUP, f"cp config/qwen3-8b.example.yaml {USER_CONFIG}"]
     snakemakes = [c for c in cmds if c.startswith("snakemake")]
     assert snakemakes and all(f"--configfile {USER_CONFIG}" in c for c in snakemakes), snakemakes
     # targets must precede --configfile, which takes every following word as a config file
@@ -79,3 +80,17 @@ def test_links_between_the_readme_and_docs_resolve():
             if not dest.exists() or (anchor and anchor not in _anchors(dest)):
                 broken.append(f"{page.relative_to(REPO)}: {target}")
     assert not broken, broken
+
+
+def test_a_new_shell_runs_the_readme_commands_after_the_setup_line_it_names(tmp_path):
+    """Issue 27: every command after the demo failed in a new shell (`snakemake: command not found`): the venv is
+    on PATH only inside `make`. The README says near the top what to run first, and the path test runs its
+    commands in a new shell's environment after that line (`readme_path.walk`)."""
+    assert SETUP in README.read_text()[:2500]
+    (tmp_path / ".venv").symlink_to(BIN.parent)
+    for cmd in ("snakemake --version", "dflash-pipeline --help"):
+        bare = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=new_shell_env(), capture_output=True, text=True)
+        assert bare.returncode == 127 and "command not found" in bare.stderr, bare.stderr
+        ready = subprocess.run(["bash", "-c", f"{SETUP} && {cmd}"], cwd=tmp_path, env=new_shell_env(),
+                               capture_output=True, text=True, timeout=120)
+        assert ready.returncode == 0, ready.stderr
