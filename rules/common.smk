@@ -595,6 +595,8 @@ def report_inputs(wildcards):
         "verdicts": settled(wildcards),
         "train": os.path.join(R, "train/drafter"),
         "evaluate": os.path.join(R, "evaluate/report.json"),
+        # the summary embeds the evaluation's acceptance curve (read beside the report; declared for S3 storage)
+        "acceptance": os.path.join(R, "evaluate/acceptance.png"),
     }
     inputs["plan"] = os.path.join(R, "plan.json")
     if config["generate"]["enabled"]:

@@ -17,6 +17,8 @@ from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.target_head import load_target_head
 from dflash_pipeline.target import read_config as read_target_config
+from dflash_pipeline.drafter.batched_rules import BatchedSampling
+from dflash_pipeline.drafter.decode_sets import decode_all
 from dflash_pipeline.drafter.speculative import SpeculativeSampling, greedy_generate, speculative_generate
 
 
@@ -230,3 +232,30 @@ def test_a_wrong_rejection_rule_fails_the_distribution_check(small_vocab):
     counts, _ = _sampled_counts(small_vocab, ResampleFromTarget)
     p_value = _chi_square_p(counts, small_vocab[3], SAMPLES)
     assert p_value < 1e-6, f"the check cannot tell a biased sampler (p = {p_value:.2e})"
+
+
+class BatchedResampleFromTarget(BatchedSampling):
+    @staticmethod
+    def residual(p, q):
+        return p
+
+
+def _batched_counts(small_vocab, rule) -> tuple[dict, list[int]]:
+    """SAMPLES rows of the same prompt in one batch of the batched decoder (each row its own random stream)."""
+    target, drafter, head, _ = small_vocab
+    rows, _ = decode_all(target, [PROMPT] * SAMPLES, HORIZON, set(), drafter=drafter, head=head, rule=rule, seed=5,
+                         batch_size=SAMPLES)
+    counts: dict = {}
+    for r in rows:
+        counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    return counts, [a for r in rows for a in r.accepted]
+
+
+def test_batched_speculative_sampling_has_the_target_distribution(small_vocab):
+    counts, kept = _batched_counts(small_vocab, BatchedSampling(TEMPERATURE))
+    assert 0 in kept and 2 in kept and 1 in kept
+    p_value = _chi_square_p(counts, small_vocab[3], SAMPLES)
+    assert p_value > 1e-3, f"batched speculative sampling differs from the target's distribution (p = {p_value:.2e})"
+    wrong, _ = _batched_counts(small_vocab, BatchedResampleFromTarget(TEMPERATURE))
+    p_wrong = _chi_square_p(wrong, small_vocab[3], SAMPLES)
+    assert p_wrong < 1e-6, f"the check cannot tell a biased batched sampler (p = {p_wrong:.2e})"

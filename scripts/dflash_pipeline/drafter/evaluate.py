@@ -10,9 +10,19 @@ with it. The gate looks at the greedy run only.
 Prompts: held-out samples of the token shards (sample ids whose hash falls under `--holdout-fraction`,
 the same split the train stage leaves out), each cut before its first supervised token.
 
-Losslessness: every speculative output is compared token for token with plain greedy decoding of the
-target. A divergence where plain decoding's top-2 logits are within `--tie-tolerance` is reported as a
-numerical tie (the block forward and the one-token forward round differently); any other divergence fails.
+Decoding is batched (drafter/batched_decoding.py: many prompts at once, each row at its own positions, a
+step captured as a CUDA graph on a GPU), `--batch-size` rows of similar prompt length at a time; plain greedy
+decoding runs once per prompt set and is shared by all drafters. Prompts longer than the target's room
+(max_position_embeddings - max_new_tokens - block_size) are skipped with a count (an error if none remain).
+
+Losslessness: every greedy speculative output is compared token for token with plain greedy decoding of the
+target. A difference where both forwards rank the same two tokens first, in opposite order, with top-2 gaps
+within the logits' dtype resolution (max(`--tie-tolerance`, 4 ulps): drafter/lossless.py) is a numerical tie
+(block verification and one-token decoding round differently), reported with its gap distribution; any other
+difference is a lossless failure and fails the gate.
+
+The report also gives the wall-clock speedup of speculative over plain greedy decoding at batch 1, both sides
+graph-captured on a GPU (`--speedup-prompts` prompts), beside tau.
 
 The trained drafter runs beside an untrained one (same config, random weights). `evaluate-gate` fails the
 run unless the trained tau beats the untrained one by `min_tau_gain` and decoding is lossless: wrong
@@ -31,7 +41,6 @@ import torch
 
 from dflash_pipeline import storage
 from dflash_pipeline.drafter.runtime import keeps_torch_threads
-from dflash_pipeline.drafter.speculative import SpeculativeSampling, greedy_generate, speculative_generate
 from dflash_pipeline.errors import PipelineError
 
 log = logging.getLogger("dflash_pipeline.drafter.evaluate")
@@ -45,7 +54,13 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--min-tau-gain", type=float, default=0.5, help="trained tau must exceed untrained by this")
-    p.add_argument("--tie-tolerance", type=float, default=1e-3, help="logit gap treated as a numerical tie")
+    p.add_argument("--tie-tolerance", type=float, default=1e-3,
+                   help="absolute floor of the top-2 logit gap treated as a numerical tie; the tolerance is the larger "
+                        "of this and 4 ulps of the top logit in the logits' dtype (bf16: 0.5 at |logit| 16-32)")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts decoded together (rows of similar length)")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs on a GPU (they are never used on CPU)")
+    p.add_argument("--speedup-prompts", type=int, default=4,
+                   help="held-out prompts timed at batch 1, speculative vs plain greedy (0: not measured)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
                    help="tau at each; 0 is greedy (always run: the gate and the lossless check), > 0 speculative "
                         "sampling")
@@ -137,63 +152,117 @@ def _by_category(prompts: list[dict], per_prompt: list[list[int]], bs: int) -> d
     return {cat: _acceptance(acc, bs) for cat, acc in sorted(groups.items())}
 
 
-def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_ids, device, tie_tol) -> dict:
-    """Greedy: tau, and every output compared token for token with plain greedy decoding."""
-    accepted, produced, per_prompt = [], 0, []
-    exact, ties, failures = 0, 0, []
+def _as_rows(plain) -> list:
+    """Plain greedy outputs as RowOutput (older callers pass greedy_generate's (tokens, gaps) pairs)."""
+    from dflash_pipeline.drafter.batched_decoding import RowOutput
+
+    return [r if isinstance(r, RowOutput) else RowOutput(list(r[0]), gap=list(r[1])) for r in plain]
+
+
+def plain_greedy(target, prompts, max_new, stop_ids, batch_size: int = 32, graphs: bool = True):
+    """Plain greedy decoding of every prompt (batched), shared by all drafters: (rows, timing)."""
+    from dflash_pipeline.drafter.decode_sets import decode_all
+
+    return decode_all(target, [p["prompt"] for p in prompts], max_new, stop_ids, batch_size=batch_size,
+                      graphs=graphs)
+
+
+def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_ids, device, tie_tol,
+                     batch_size: int = 32, graphs: bool = True) -> dict:
+    """Greedy: tau, and every output compared token for token with plain greedy decoding (drafter/lossless.py:
+    a difference is a numerical tie or a lossless failure)."""
+    from dflash_pipeline.drafter.decode_sets import decode_all
+    from dflash_pipeline.drafter.lossless import lossless_report
+
     t0 = time.perf_counter()
-    for p, (ref, gaps) in zip(prompts, plain):
-        out, acc = speculative_generate(target, drafter, head, p["prompt"], max_new, stop_ids, device)
-        accepted += acc
-        per_prompt.append(acc)
-        produced += len(out)
-        if out == ref:
-            exact += 1
-            continue
-        diverge = next((i for i, (x, y) in enumerate(zip(out, ref)) if x != y), min(len(out), len(ref)))
-        gap = gaps[diverge] if diverge < len(gaps) else None
-        if gap is not None and gap <= tie_tol:
-            ties += 1
-        else:
-            failures.append({"sample_id": p["sample_id"], "position": diverge, "top2_gap": gap})
-    stats = _acceptance(accepted, drafter.config.block_size)
-    log.info("%s drafter, greedy: tau %.3f over %d target forwards, %d/%d outputs identical to greedy (%d ties)",
-             name, stats["tau"], stats["target_forwards"], exact, len(prompts), ties)
-    return {**stats, "generated_tokens": produced, "identical_outputs": exact, "numerical_ties": ties,
-            "lossless_failures": failures, "wall_seconds": round(time.perf_counter() - t0, 2),
+    rows, timing = decode_all(target, [p["prompt"] for p in prompts], max_new, stop_ids, drafter=drafter, head=head,
+                              batch_size=batch_size, graphs=graphs)
+    per_prompt = [r.accepted for r in rows]
+    stats = _acceptance([a for acc in per_prompt for a in acc], drafter.config.block_size)
+    check = lossless_report(rows, _as_rows(plain), [p["sample_id"] for p in prompts], timing["logits_dtype"],
+                            tie_tol)
+    log.info("%s drafter, greedy: tau %.3f over %d target forwards, %d/%d outputs identical to greedy (%d ties, "
+             "%d failures)", name, stats["tau"], stats["target_forwards"], check["identical_outputs"], len(prompts),
+             check["numerical_ties"], len(check["lossless_failures"]))
+    return {**stats, "generated_tokens": sum(len(r.tokens) for r in rows), **check,
+            "wall_seconds": round(time.perf_counter() - t0, 2), "decode_seconds": round(timing["decode_seconds"], 3),
             "by_category": _by_category(prompts, per_prompt, drafter.config.block_size)}
 
 
-def evaluate_sampled(name, target, drafter, head, prompts, max_new, stop_ids, device, temperature, seed) -> dict:
+def evaluate_sampled(name, target, drafter, head, prompts, max_new, stop_ids, device, temperature, seed,
+                     batch_size: int = 32, graphs: bool = True) -> dict:
     """Temperature > 0: tau under speculative sampling (lossless by construction: rejection sampling)."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    rule = SpeculativeSampling(temperature, generator)
-    accepted, produced, per_prompt = [], 0, []
+    from dflash_pipeline.drafter.batched_rules import BatchedSampling
+    from dflash_pipeline.drafter.decode_sets import decode_all
+
     t0 = time.perf_counter()
-    for p in prompts:
-        out, acc = speculative_generate(target, drafter, head, p["prompt"], max_new, stop_ids, device, rule)
-        accepted += acc
-        per_prompt.append(acc)
-        produced += len(out)
-    stats = _acceptance(accepted, drafter.config.block_size)
+    rows, timing = decode_all(target, [p["prompt"] for p in prompts], max_new, stop_ids, drafter=drafter, head=head,
+                              rule=BatchedSampling(temperature), seed=seed, batch_size=batch_size, graphs=graphs)
+    per_prompt = [r.accepted for r in rows]
+    stats = _acceptance([a for acc in per_prompt for a in acc], drafter.config.block_size)
     log.info("%s drafter, temperature %g: tau %.3f over %d target forwards", name, temperature, stats["tau"],
              stats["target_forwards"])
-    return {**stats, "generated_tokens": produced, "wall_seconds": round(time.perf_counter() - t0, 2),
+    return {**stats, "generated_tokens": sum(len(r.tokens) for r in rows),
+            "wall_seconds": round(time.perf_counter() - t0, 2), "decode_seconds": round(timing["decode_seconds"], 3),
             "by_category": _by_category(prompts, per_prompt, drafter.config.block_size)}
 
 
 def evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device) -> tuple[dict, dict, float]:
     """Greedy (tau + lossless check against plain greedy) and each sampled temperature, for every drafter."""
     t0 = time.perf_counter()
-    plain = [greedy_generate(target, p["prompt"], args.max_new_tokens, stop_ids, device) for p in prompts]
+    run = dict(batch_size=args.batch_size, graphs=not args.eager)
+    plain, _ = plain_greedy(target, prompts, args.max_new_tokens, stop_ids, **run)
     plain_wall = time.perf_counter() - t0
     greedy = {name: evaluate_drafter(name, target, d, head, prompts, plain, args.max_new_tokens, stop_ids, device,
-                                     args.tie_tolerance) for name, d in drafters.items()}
+                                     args.tie_tolerance, **run) for name, d in drafters.items()}
     sampled_temps = sorted({float(t) for t in args.temperatures if float(t) > 0})
     sampled = {f"{t:g}": {name: evaluate_sampled(name, target, d, head, prompts, args.max_new_tokens, stop_ids,
-                                                  device, t, args.seed) for name, d in drafters.items()}
+                                                  device, t, args.seed, **run) for name, d in drafters.items()}
                for t in sampled_temps}
     return greedy, sampled, plain_wall
+
+
+def speedup_at_batch_1(target, drafter, head, prompts, max_new, stop_ids, graphs: bool = True) -> dict:
+    """Wall-clock speedup of greedy speculative decoding over plain greedy decoding, one prompt at a time, both
+    sides graph-captured on a GPU (capture excluded: a server captures once): what a user serving at batch 1
+    sees, beside tau."""
+    from dflash_pipeline.drafter.decode_sets import decode_all
+
+    ids = [p["prompt"] for p in prompts]
+    plain, tp = decode_all(target, ids, max_new, stop_ids, batch_size=1, graphs=graphs)
+    spec, ts = decode_all(target, ids, max_new, stop_ids, drafter=drafter, head=head, batch_size=1, graphs=graphs)
+    stats = _acceptance([a for r in spec for a in r.accepted], drafter.config.block_size)
+    n_plain, n_spec = sum(len(r.tokens) for r in plain), sum(len(r.tokens) for r in spec)
+    return {"prompts": len(prompts), "plain_seconds": round(tp["decode_seconds"], 4),
+            "speculative_seconds": round(ts["decode_seconds"], 4),
+            "speedup": round(tp["decode_seconds"] / max(ts["decode_seconds"], 1e-9), 3), "tau": stats["tau"],
+            "plain_tokens_per_s": round(n_plain / max(tp["decode_seconds"], 1e-9), 1),
+            "speculative_tokens_per_s": round(n_spec / max(ts["decode_seconds"], 1e-9), 1),
+            "cuda_graphs": graphs and next(target.parameters()).device.type == "cuda"}
+
+
+def context_room(target, max_new: int, block_size: int) -> int | None:
+    """Longest prompt the target can decode max_new tokens after (plus a verification block), or None."""
+    from dflash_pipeline.target import text_config
+
+    mpe = getattr(text_config(target.config), "max_position_embeddings", None)
+    return None if not mpe else int(mpe) - max_new - block_size
+
+
+def fit_prompts(prompts: list[dict], room: int | None, what: str) -> tuple[list[dict], dict]:
+    """The prompts that fit the target's context; the others are skipped with a count (an error if none fit)."""
+    long = [p for p in prompts if room is not None and len(p["prompt"]) > room]
+    kept = [p for p in prompts if not (room is not None and len(p["prompt"]) > room)]
+    skipped = {"count": len(long), "room_tokens": room, "sample_ids": [p["sample_id"] for p in long][:20],
+               "longest": max((len(p["prompt"]) for p in long), default=None)}
+    if long:
+        print(f"{what}: skipped {len(long)} of {len(prompts)} prompts longer than the target's room of {room} tokens "
+              f"(max_position_embeddings - max_new_tokens - block_size; longest {skipped['longest']})")
+    if not kept:
+        raise PipelineError(f"{what}: all {len(prompts)} prompts are longer than the target's room of {room} tokens "
+                            "(max_position_embeddings - max_new_tokens - block_size): nothing to evaluate; lower "
+                            "evaluate.max_new_tokens or use shorter prompts")
+    return kept, skipped
 
 
 def tau_table(greedy: dict, sampled: dict) -> dict:
@@ -203,16 +272,18 @@ def tau_table(greedy: dict, sampled: dict) -> dict:
                 for name, r in by.items()} for t, by in runs.items()}
 
 
-def _prompts_file_report(args, target, head, drafters, stop_ids, device) -> dict | None:
+def _prompts_file_report(args, target, head, drafters, stop_ids, device, room) -> dict | None:
     if not args.prompts_file:
         return None
     prompts = file_prompts(args.prompts_file, args.model, args.trust_remote_code)
     log.info("%d prompts from %s", len(prompts), args.prompts_file)
+    prompts, skipped = fit_prompts(prompts, room, args.prompts_file)
     greedy, sampled, plain_wall = evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device)
     categories: dict[str, int] = {}
     for p in prompts:
         categories[p["category"]] = categories.get(p["category"], 0) + 1
     return {"path": args.prompts_file, "count": len(prompts), "categories": categories,
+            "skipped_long_prompts": skipped,
             "source": "first turn of each question, rendered with the target's chat template (never trained: "
                       "ingest drops samples whose first user turn is one of them)",
             "plain_greedy_wall_seconds": round(plain_wall, 2), "tau": tau_table(greedy, sampled),
@@ -252,12 +323,18 @@ def _run_evaluate(args) -> int:
     if device.type == "cpu":
         torch.set_num_threads(max(1, args.cpu_threads))
     target, head, drafters = _load(args, device)
-    prompts = held_out_prompts(args.tokens, args.holdout_fraction, args.num_prompts)
+    room = context_room(target, args.max_new_tokens, drafters["trained"].config.block_size)
+    prompts, skipped = fit_prompts(held_out_prompts(args.tokens, args.holdout_fraction, args.num_prompts), room,
+                                   "held-out prompts")
     stop_ids = _stop_ids(args.model, target, args.trust_remote_code)
     log.info("%d held-out prompts, max %d new tokens, stop ids %s, device %s, temperatures %s", len(prompts),
              args.max_new_tokens, sorted(stop_ids), device, sorted({0.0, *map(float, args.temperatures)}))
     greedy, sampled, plain_wall = evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device)
-    from_file = _prompts_file_report(args, target, head, drafters, stop_ids, device)
+    from_file = _prompts_file_report(args, target, head, drafters, stop_ids, device, room)
+    speedup = None
+    if args.speedup_prompts > 0:
+        speedup = speedup_at_batch_1(target, drafters["trained"], head, prompts[: args.speedup_prompts],
+                                     args.max_new_tokens, stop_ids, graphs=not args.eager)
     reasons = _gate_reasons(greedy, args.min_tau_gain)
     for name, r in (from_file or {}).get("greedy", {}).items():
         if r["lossless_failures"]:
@@ -268,28 +345,42 @@ def _run_evaluate(args) -> int:
         "passed": not reasons, "reasons": reasons,
         "prompts": {"count": len(prompts), "source": "held-out samples of the token shards (sample-id hash "
                     f"< {args.holdout_fraction}, excluded from training), cut before the first response token",
-                    "shards": len(args.tokens)},
+                    "shards": len(args.tokens), "skipped_long_prompts": skipped},
         "block_size": drafters["trained"].config.block_size,
         "target_layer_ids": drafters["trained"].config.target_layer_ids,
         "max_new_tokens": args.max_new_tokens, "min_tau_gain": args.min_tau_gain, "device": str(device),
+        "batch_size": args.batch_size, "cuda_graphs": device.type == "cuda" and not args.eager,
         "plain_greedy_wall_seconds": round(plain_wall, 2), "untrained": un, "trained": tr,
         # tau per temperature; "0" is the greedy run above (the gate's), others speculative sampling
         "temperatures": {"0": {n: r["tau"] for n, r in greedy.items()},
                          **{t: {n: r["tau"] for n, r in by.items()} for t, by in sampled.items()}},
+        "speedup_batch1": speedup,
         "sampled": sampled, "sampling": "temperature only (no top-k/top-p), seed " + str(args.seed),
         "prompts_file": from_file,
     }
     storage.write_json(args.out, report)
     plot_acceptance(greedy, sampled, args.plot, from_file)
+    _print_summary(args, report, greedy, sampled, from_file)
+    return 0
+
+
+def _print_summary(args, report: dict, greedy: dict, sampled: dict, from_file: dict | None) -> None:
+    tr, un = greedy["trained"], greedy["untrained"]
     at_t = "".join(f"; T={t}: {by['trained']['tau']:.3f} vs {by['untrained']['tau']:.3f}" for t, by in sampled.items())
+    ties = sum(r["numerical_ties"] for r in greedy.values())
     print(f"tau trained {tr['tau']:.3f} vs untrained {un['tau']:.3f} (greedy){at_t}; lossless: "
-          f"{'yes' if not (tr['lossless_failures'] or un['lossless_failures']) else 'NO'}; "
-          f"{'PASS' if report['passed'] else 'FAIL: ' + '; '.join(reasons)}")
+          f"{'yes' if not (tr['lossless_failures'] or un['lossless_failures']) else 'NO'}"
+          f"{f' ({ties} numerical ties)' if ties else ''}; "
+          f"{'PASS' if report['passed'] else 'FAIL: ' + '; '.join(report['reasons'])}")
+    if report["speedup_batch1"]:
+        s = report["speedup_batch1"]
+        print(f"batch 1, greedy, {s['prompts']} prompts: speculative {s['speculative_tokens_per_s']:.0f} tok/s vs plain "
+              f"{s['plain_tokens_per_s']:.0f} tok/s: speedup {s['speedup']:.2f}x at tau {s['tau']:.2f}"
+              f"{' (CUDA graphs)' if s['cuda_graphs'] else ''}")
     for t, by in (from_file or {}).get("tau", {}).items():
         cats = ", ".join(f"{c} {v:.2f}" for c, v in by["trained"]["by_category"].items())
         print(f"{args.prompts_file} T={t}: tau trained {by['trained']['pooled']:.3f} vs untrained "
               f"{by['untrained']['pooled']:.3f} pooled; trained by category: {cats}")
-    return 0
 
 
 def plot_acceptance(greedy: dict, sampled: dict, path, from_file: dict | None = None) -> None:

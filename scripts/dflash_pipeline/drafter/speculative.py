@@ -1,4 +1,6 @@
-"""Speculative decoding of the target with a DFlash drafter (transformers target, KV caches), for evaluation.
+"""Speculative decoding of the target with a DFlash drafter (transformers target, KV caches), one prompt at a time:
+the reference that the batched decoder (drafter/batched_decoding.py) is tested against, and the path of targets
+it does not support.
 
 One step: the drafter drafts a block `[anchor, MASK x (bs-1)]` conditioned on the target features of every
 accepted token (its context K/V cached); the target verifies the block in one forward; a verification rule
@@ -85,7 +87,7 @@ GREEDY = GreedyVerification()
 def greedy_generate(target, prompt: list[int], max_new: int, stop_ids: set[int], device) -> tuple[list[int], list[float]]:
     """Plain greedy decoding with the KV cache; also the top-1 minus top-2 logit gap of each step."""
     out = target(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-    past = out.past_key_values
+    past, kw = _cache_of(out), _cache_kw(target)
     tokens, gaps = [], []
     logits = out.logits[0, -1].float()
     while True:
@@ -95,8 +97,8 @@ def greedy_generate(target, prompt: list[int], max_new: int, stop_ids: set[int],
         gaps.append(float(top.values[0] - top.values[1]))
         if tok in stop_ids or len(tokens) >= max_new:
             return tokens, gaps
-        out = target(input_ids=torch.tensor([[tok]], device=device), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = target(input_ids=torch.tensor([[tok]], device=device), **{kw: past}, use_cache=True)
+        past = _cache_of(out)
         logits = out.logits[0, -1].float()
 
 
@@ -112,7 +114,7 @@ def speculative_generate(target, drafter, head, prompt: list[int], max_new: int,
     # the drafter's context: the outputs of the target's decoder layers (target_layers.py), from hooks
     with LayerOutputs(target, cfg.target_layer_ids) as cap:
         out = target(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-        past = out.past_key_values
+        past, kw = _cache_of(out), _cache_kw(target)
         feats = cap.features()
         feat_pos = torch.arange(len(prompt), device=device)[None]
         cache = ContextCache(len(drafter.layers))
@@ -125,7 +127,7 @@ def speculative_generate(target, drafter, head, prompt: list[int], max_new: int,
             hidden = drafter(head.embed(block).to(dtype), feats.to(dtype), feat_pos,
                              torch.arange(start, start + bs, device=device)[None], cache=cache)
             draft, q = rule.propose(head.lm_head(hidden[0, 1:].to(head.lm_head.weight.dtype)))
-            out = target(input_ids=torch.cat([block[0, :1], draft])[None], past_key_values=past, use_cache=True)
+            out = target(input_ids=torch.cat([block[0, :1], draft])[None], **{kw: past}, use_cache=True)
             kept, nxt = rule.verify(draft, q, out.logits[0])
             accepted.append(kept)
             _crop(past, start + kept + 1)
@@ -136,6 +138,17 @@ def speculative_generate(target, drafter, head, prompt: list[int], max_new: int,
                 if tok in stop_ids or len(generated) >= max_new:
                     break
     return generated, accepted
+
+
+def _cache_kw(target) -> str:
+    """The forward's cache argument: `cache` from transformers 5.2x on (`past_key_values` deprecated), else the old."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+def _cache_of(out):
+    return getattr(out, "cache", None) if getattr(out, "past_key_values", None) is None else out.past_key_values
 
 
 def _crop(past, keep: int) -> None:

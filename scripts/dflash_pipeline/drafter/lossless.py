@@ -1,0 +1,83 @@
+"""Is greedy speculative decoding lossless? Where an output departs from plain greedy decoding, tell the numerics
+(a tie) from a real divergence (the drafter, the verification or a cache is wrong).
+
+At the first differing position, plain decoding chose `ref` and the speculative run emitted `got`. It is a
+**numerical tie** when both forwards rank the same two tokens first, in opposite order (plain's runner-up is
+`got`, the verification forward's runner-up is `ref`), and each forward's top-1 minus top-2 logit gap is within
+what its logits' dtype resolves: `max(floor, TIE_ULPS * ulp(|top logit|))`, the ulp of that dtype at the top
+logit's magnitude. Anything else is a **real divergence**, and only those fail the gate.
+
+Why this tolerance: block verification (a block of tokens in one forward) and one-token decoding reduce in a
+different order in every matmul and attention, so the same logit comes out rounded differently, and the final
+logits are stored in the model's dtype. In bf16 (8 significant bits) one ulp is 0.125 at |logit| 16-32: the
+two divergences seen on the H200 (top-2 gaps 0.125 and 0.25 on SmolLM2-135M) were 1-2 ulps, which no fixed
+tolerance like 1e-3 can call a tie (it is below one bf16 ulp for any logit above 0.25). Four ulps leave room
+for rounding accumulated over the layers; in float32 the same rule allows ~4e-6 at |logit| 8, so a CPU test
+cannot pass a wrong token off as a tie. A drafter or cache bug shows as a token the verification does not rank
+first or second, or as gaps far above the dtype's resolution.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+TIE_ULPS = 4
+
+RULE = (f"numerical tie: at the first differing token, plain greedy and the verification forward rank the same "
+        f"two tokens first in opposite order, each with a top-2 gap <= max(tie_tolerance, {TIE_ULPS} ulps of the "
+        "top logit in the logits' dtype); any other difference is a lossless failure")
+
+
+def tie_tolerance(dtype_name: str, top_logit: float, floor: float) -> float:
+    """max(floor, TIE_ULPS ulps of `dtype_name` at |top_logit|)."""
+    eps = torch.finfo(getattr(torch, dtype_name)).eps
+    mag = abs(top_logit)
+    ulp = eps * 2.0 ** math.floor(math.log2(mag)) if mag > 0 else eps
+    return max(floor, TIE_ULPS * ulp)
+
+
+def _first_difference(out: list[int], ref: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(out, ref)) if x != y), min(len(out), len(ref)))
+
+
+def classify(out, ref, dtype_name: str, floor: float) -> dict | None:
+    """None when identical, else {"tie": bool, "position", "plain_gap", "verify_gap", "tolerance", tokens}.
+
+    `out`, `ref`: RowOutput of the speculative run and of plain greedy decoding (with their records)."""
+    if out.tokens == ref.tokens:
+        return None
+    i = _first_difference(out.tokens, ref.tokens)
+    has = lambda row: i < len(row.tokens) and i < len(row.gap)  # noqa: E731
+    finding = {"position": i, "greedy_token": ref.tokens[i] if i < len(ref.tokens) else None,
+               "speculative_token": out.tokens[i] if i < len(out.tokens) else None,
+               "plain_gap": ref.gap[i] if has(ref) else None, "verify_gap": out.gap[i] if has(out) else None,
+               "tolerance": None, "tie": False}
+    if not (has(ref) and has(out)) or not (ref.second and out.second):
+        return finding  # one output ends early, or no records (one-prompt fallback): strict
+    tol_plain = tie_tolerance(dtype_name, ref.top1[i], floor)
+    tol_verify = tie_tolerance(dtype_name, out.top1[i], floor)
+    finding["tolerance"] = max(tol_plain, tol_verify)
+    finding["tie"] = (ref.second[i] == out.tokens[i] and out.second[i] == ref.tokens[i]
+                      and ref.gap[i] <= tol_plain and out.gap[i] <= tol_verify)
+    return finding
+
+
+def lossless_report(outputs, references, sample_ids, dtype_name: str, floor: float) -> dict:
+    """identical_outputs, numerical_ties (count) with `ties` (gap distribution, positions), lossless_failures."""
+    exact, ties, failures = 0, [], []
+    for out, ref, sid in zip(outputs, references, sample_ids):
+        finding = classify(out, ref, dtype_name, floor)
+        if finding is None:
+            exact += 1
+        elif finding.pop("tie"):
+            ties.append({"sample_id": sid, **finding})
+        else:
+            failures.append({"sample_id": sid, **finding, "top2_gap": finding["plain_gap"]})
+    gaps = [t["plain_gap"] for t in ties]
+    summary = {"count": len(ties), "gap_min": min(gaps) if gaps else None,
+               "gap_median": statistics.median(gaps) if gaps else None, "gap_max": max(gaps) if gaps else None,
+               "positions": ties, "logits_dtype": dtype_name, "rule": RULE}
+    return {"identical_outputs": exact, "numerical_ties": len(ties), "ties": summary, "lossless_failures": failures}

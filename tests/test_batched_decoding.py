@@ -1,0 +1,178 @@
+"""The batched evaluator decodes like the one-prompt path (same tokens, same drafts kept at every step), its
+sampling draws per row (batch N = batch 1 per seed), and the lossless check tells a numerical tie from a real
+divergence (fp32, tiny real models on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_pipeline.drafter.batched_decoding import BatchDecoder, supports_batched
+from dflash_pipeline.drafter.batched_rules import BatchedGreedy, BatchedSampling, uniforms
+from dflash_pipeline.drafter.config import DrafterConfig
+from dflash_pipeline.drafter.decode_sets import decode_all
+from dflash_pipeline.drafter.evaluate import context_room, fit_prompts
+from dflash_pipeline.drafter.lossless import classify, lossless_report, tie_tolerance
+from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.speculative import greedy_generate, speculative_generate
+from dflash_pipeline.drafter.target_head import TargetHead
+from dflash_pipeline.errors import PipelineError
+
+VOCAB, BLOCK, MAX_NEW = 8, 4, 30
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _target(seed: int, tied: bool = True, init: float = 0.3):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=tied,
+                      max_position_embeddings=128, initializer_range=init)  # 0.3: varied outputs (0.02 repeats)
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def small():
+    """An 8-token target and a random 2-layer drafter (block 4) whose drafts the target sometimes keeps: seed 1
+    gives steps keeping 0, 1, 2 and 3 drafts, so the per-step comparison means something."""
+    target = _target(1)
+    head = TargetHead(target.model.embed_tokens.weight.detach().clone(), None)
+    drafter = DFlashDrafter(DrafterConfig.from_target(target.config.to_dict(), 2, [0, 1], BLOCK, VOCAB - 1,
+                                                      VOCAB)).eval()
+    drafter.reset_parameters(std=0.3)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7)]
+    return target, drafter, head, prompts
+
+
+@pytest.mark.parametrize("stop_ids", [set(), {3}])
+def test_batched_greedy_equals_the_one_prompt_path(small, stop_ids):
+    target, drafter, head, prompts = small
+    assert supports_batched(target)
+    ref = [speculative_generate(target, drafter, head, p, MAX_NEW, stop_ids, "cpu") for p in prompts]
+    rows = BatchDecoder(target, prompts, MAX_NEW, stop_ids, drafter=drafter, head=head).run().rows
+    for (tokens, accepted), row in zip(ref, rows):
+        assert row.tokens == tokens and row.accepted == accepted  # same drafts kept at every step
+    kept = {a for _, acc in ref for a in acc}
+    assert {0, 1, 3} <= kept  # rows accept different lengths in the same batch
+    if stop_ids:
+        assert any(t[-1] in stop_ids and 1 < len(t) < MAX_NEW for t, _ in ref)  # a row stopped inside a block
+    plain = [greedy_generate(target, p, MAX_NEW, stop_ids, "cpu") for p in prompts]
+    prow, _ = decode_all(target, prompts, MAX_NEW, stop_ids, batch_size=2)  # batched plain greedy, 3 batches
+    for (tokens, gaps), row in zip(plain, prow):
+        assert row.tokens == tokens and max(abs(a - b) for a, b in zip(gaps, row.gap)) < 1e-4
+
+
+def test_batch_n_equals_batch_1_under_sampling(small):
+    target, drafter, head, prompts = small
+    rule = BatchedSampling(0.9)
+    many, _ = decode_all(target, prompts, MAX_NEW, set(), drafter=drafter, head=head, rule=rule, seed=4, batch_size=5)
+    ones, _ = decode_all(target, prompts, MAX_NEW, set(), drafter=drafter, head=head, rule=rule, seed=4, batch_size=1)
+    other, _ = decode_all(target, prompts, MAX_NEW, set(), drafter=drafter, head=head, rule=rule, seed=5, batch_size=5)
+    assert [r.tokens for r in many] == [r.tokens for r in ones]  # a row's draws do not depend on its batch
+    assert [r.accepted for r in many] == [r.accepted for r in ones]
+    assert [r.tokens for r in many] != [r.tokens for r in other]  # the seed matters
+
+
+def test_counter_uniforms_are_uniform_and_independent():
+    uid = torch.arange(4000)
+    u = uniforms(0, uid, torch.zeros_like(uid), 3)
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    assert abs(float(torch.corrcoef(u.T)[0, 1])) < 0.05  # slots of a row
+    assert not torch.equal(u, uniforms(1, uid, torch.zeros_like(uid), 3))
+    assert torch.equal(u[7:9], uniforms(0, uid[7:9], torch.zeros(2, dtype=torch.long), 3))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Lossless check: a numerical tie vs a real divergence
+# ------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def twin_rows():
+    """A target whose LM head has two identical rows A < B (untied), so their logits tie exactly: the batched
+    verification emits A (argmax takes the first); a plain reference whose one-token forward rounds B up by
+    `delta` emits B. That is what bf16 does to close logits, constructed in fp32."""
+    target = _target(2, tied=False)
+    prompt = [1, 6, 2, 7, 3]
+    ref, _ = decode_all(target, [prompt], MAX_NEW, set())
+    a = next(t for t in ref[0].tokens[3:] if t < VOCAB - 1)
+    with torch.no_grad():
+        target.lm_head.weight[VOCAB - 1] = target.lm_head.weight[a]
+    head = TargetHead(target.model.embed_tokens.weight.detach().clone(), target.lm_head.weight.detach().clone())
+    drafter = DFlashDrafter(DrafterConfig.from_target(target.config.to_dict(), 1, [0, 1], BLOCK, 0, VOCAB)).eval()
+    return target, head, drafter, prompt, a
+
+
+def _plain_with_b_raised(target, prompt, delta):
+    b = VOCAB - 1
+    hook = target.lm_head.register_forward_hook(lambda m, i, out: out + delta * (torch.arange(VOCAB) == b))
+    try:
+        rows, _ = decode_all(target, [prompt], MAX_NEW, set())
+    finally:
+        hook.remove()
+    return rows[0]
+
+
+def test_a_tie_within_the_dtype_resolution_is_a_tie(twin_rows):
+    target, head, drafter, prompt, a = twin_rows
+    spec = decode_all(target, [prompt], MAX_NEW, set(), drafter=drafter, head=head)[0][0]
+    i = spec.tokens.index(a)  # the first place the twins tie at the top
+    delta = tie_tolerance("float32", spec.top1[i], 0.0) / 2  # 2 ulps of fp32 at that logit
+    plain = _plain_with_b_raised(target, prompt, delta)
+    found = classify(spec, plain, "float32", 0.0)
+    assert found["position"] == i and found["tie"]
+    assert (found["greedy_token"], found["speculative_token"]) == (VOCAB - 1, a)
+    assert found["verify_gap"] == 0.0 and 0 < found["plain_gap"] <= found["tolerance"]
+    report = lossless_report([spec], [plain], ["s0"], "float32", 0.0)
+    assert report["numerical_ties"] == 1 and not report["lossless_failures"]
+    assert report["ties"]["positions"][0]["position"] == i and report["ties"]["gap_max"] == found["plain_gap"]
+
+
+def test_a_gap_beyond_the_dtype_resolution_is_a_failure(twin_rows):
+    target, head, drafter, prompt, a = twin_rows
+    spec = decode_all(target, [prompt], MAX_NEW, set(), drafter=drafter, head=head)[0][0]
+    plain = _plain_with_b_raised(target, prompt, 1.0)  # the reference prefers B by a whole logit
+    report = lossless_report([spec], [plain], ["s0"], "float32", 1e-3)
+    assert report["numerical_ties"] == 0 and len(report["lossless_failures"]) == 1
+    # the same gap in bf16 terms: 1.0 is 8 ulps at |logit| 16-32, still a divergence; 0.25 is a tie there
+    assert tie_tolerance("bfloat16", 20.0, 1e-3) == 0.5 and tie_tolerance("float32", 20.0, 1e-3) == 1e-3
+
+
+class KeepsOneRejectedDraft(BatchedGreedy):
+    """A verification bug: the first rejected draft is kept as well (emitted instead of the target's token)."""
+
+    def accept(self, draft, q, logits, u):
+        kept, post = super().accept(draft, q, logits, u)
+        kept = (kept + 1).clamp_max(draft.shape[1])
+        emitted = torch.cat([draft, post[:, -1:]], 1)
+        return kept, emitted
+
+
+def test_a_verification_bug_is_a_real_divergence_not_a_tie(small):
+    target, drafter, head, prompts = small
+    plain, _ = decode_all(target, prompts, MAX_NEW, set())
+    buggy, _ = decode_all(target, prompts, MAX_NEW, set(), drafter=drafter, head=head, rule=KeepsOneRejectedDraft())
+    report = lossless_report(buggy, plain, list(range(len(prompts))), "float32", 1e-3)
+    assert report["lossless_failures"] and report["numerical_ties"] == 0
+    good, _ = decode_all(target, prompts, MAX_NEW, set(), drafter=drafter, head=head)
+    assert lossless_report(good, plain, list(range(len(prompts))), "float32", 1e-3)["identical_outputs"] == 5
+
+
+def test_prompts_longer_than_the_context_are_skipped_or_refused(small, capsys):
+    target = small[0]
+    room = context_room(target, 100, BLOCK)
+    assert room == 128 - 100 - BLOCK
+    prompts = [{"sample_id": i, "prompt": [1] * n} for i, n in enumerate((10, 24, 25, 400))]
+    kept, skipped = fit_prompts(prompts, room, "held-out prompts")
+    assert [p["sample_id"] for p in kept] == [0, 1] and skipped["count"] == 2 and skipped["sample_ids"] == [2, 3]
+    assert "skipped 2 of 4 prompts longer than the target's room of 24 tokens" in capsys.readouterr().out
+    with pytest.raises(PipelineError, match="all 2 prompts are longer"):
+        fit_prompts(prompts[2:], room, "held-out prompts")
