@@ -135,3 +135,66 @@ def test_damage_mid_file_of_a_large_array_with_small_record_limit(tmp_path):
         assert len(rows) == n - 1 and [q["byte_range"] for q in quarantine] == [[start, start + len(texts[1500])]]
         assert quarantine[0]["record"] == texts[1500]
         assert "do not balance" in quarantine[0]["reason"] and "resumed at the next record" in quarantine[0]["reason"]
+
+
+# ------------------------------------------------------------------------------ 13: decompression bombs
+BOMB_BYTES = 200 << 20  # 200 MiB expanded; a few hundred KiB (gzip) or KiB (zstd) on disk
+
+
+def _bomb(path: Path, kind: str, fill: bytes) -> Path:
+    """`fill` repeated to BOMB_BYTES, compressed in a stream (never held expanded here either)."""
+    block = fill * ((1 << 20) // len(fill))
+    if kind == "gz":
+        with gzip.open(path, "wb", compresslevel=1) as fh:
+            for _ in range(BOMB_BYTES // len(block)):
+                fh.write(block)
+    else:
+        with zstandard.ZstdCompressor(level=3).stream_writer(open(path, "wb")) as fh:
+            for _ in range(BOMB_BYTES // len(block)):
+                fh.write(block)
+    return path
+
+
+def _peak_ingest(path: Path, tmp: Path, **kw) -> tuple[dict, list[dict], int]:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        stats, _, quarantine = ingest(path, tmp, **kw)
+        return stats, quarantine, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("kind", ["gz", "zst"])
+@pytest.mark.parametrize("fill", [b"\0", b"\n"], ids=["NULs", "empty lines"])
+def test_decompression_bomb_streams_at_bounded_memory(tmp_path, kind, fill):
+    """The issue's bombs (10 GiB of NULs from 320 KiB of zstd, a 9 MiB gzip of NULs and of empty lines) peaked
+    at 7 and 2 GB: each read decompressed without an output bound. Now every read makes at most ~1 MiB and a
+    record is bounded by max_record_bytes while it streams: NULs (one 200 MiB "line") are one quarantined
+    record with the reason, empty lines are nothing, and the peak stays a few MiB."""
+    path = _bomb(tmp_path / f"bomb.jsonl.{kind}", kind, fill)
+    assert path.stat().st_size < 1 << 20
+    stats, quarantine, peak = _peak_ingest(path, tmp_path, max_record_bytes=1 << 20)
+    assert peak < 64 << 20, f"peak {peak / 2**20:.0f} MiB"
+    if fill == b"\0":
+        assert (stats["records_read"], stats["quarantined"]) == (1, 1)
+        assert f"record of {BOMB_BYTES} bytes is over max_record_bytes" in quarantine[0]["reason"]
+    else:
+        assert stats["records_read"] == 0 and stats["damage"] is None
+
+
+def test_decompression_bomb_inside_a_json_array_record(tmp_path):
+    """A JSON array whose one record holds 200 MiB of text (zstd): skipped while it streams, the others kept."""
+    path = tmp_path / "bomb.json.zst"
+    head = b'[{"id": "r0", "conversations": [{"from": "human", "value": "' + b"a" * 100
+    tail = b'"}]}, ' + json.dumps(conv(1)).encode() + b"]"
+    with zstandard.ZstdCompressor(level=3).stream_writer(open(path, "wb")) as fh:
+        fh.write(head)
+        for _ in range(BOMB_BYTES >> 20):
+            fh.write(b"a" * (1 << 20))
+        fh.write(tail)
+    stats, quarantine, peak = _peak_ingest(path, tmp_path, max_record_bytes=1 << 20)
+    assert peak < 64 << 20, f"peak {peak / 2**20:.0f} MiB"
+    assert (stats["records_read"], stats["kept"], stats["quarantined"]) == (2, 1, 1)
+    assert "over max_record_bytes" in quarantine[0]["reason"]

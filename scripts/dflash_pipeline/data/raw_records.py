@@ -93,8 +93,10 @@ class _Decompressor:
 
     def __init__(self, fh: IO[bytes], kind: str):
         self.fh, self.kind = fh, kind
-        self.buf = bytearray()
-        self.dec = self._new()
+        self.buf = b""
+        self.dec, self.bounds = self._new(), _ZstdBounds()
+        self.pending = b""  # compressed bytes read but not decoded yet
+        self.member_start: int | None = None  # compressed offset of the member/frame after the first
         self.consumed = 0  # compressed bytes read
         self.finished = False  # the compressed input is exhausted
         self.error: Exception | None = None  # raised once everything decoded before it is handed out
@@ -105,23 +107,35 @@ class _Decompressor:
         return zstandard.ZstdDecompressor().decompressobj()
 
     def _fill(self) -> None:
-        raw = self.fh.read(CHUNK)
-        self.consumed += len(raw)
-        if not raw:
-            self.finished = True
-            if not self.dec.eof:
-                self.error = EOFError(f"{self.kind} stream ends before its end marker (truncated file)")
-            return
-        member_start = None
+        """Decode one bounded step: at most about CHUNK bytes of output per call, so 10 GiB of NULs from 320 KiB
+        of zstd stream through a CHUNK at a time instead of being decoded by one call."""
+        if not self.pending or (self.kind == "zstd" and not self.bounds.take(self.pending, CHUNK)):
+            raw = self.fh.read(CHUNK)
+            self.consumed += len(raw)
+            if not raw and not self.pending:
+                self.finished = True
+                if not self.dec.eof:
+                    self.error = EOFError(f"{self.kind} stream ends before its end marker (truncated file)")
+                return
+            self.pending += raw
+            final = not raw
+        else:
+            final = False
         try:
-            while raw:
-                if self.dec.eof:  # the next member/frame, or garbage after the last one
-                    member_start = self.consumed - len(raw)
-                    self.dec = self._new()
-                self.buf += self.dec.decompress(raw)
-                raw = self.dec.unused_data if self.dec.eof else b""
+            if self.dec.eof:  # the next member/frame, or garbage after the last one
+                self.member_start = self.consumed - len(self.pending)
+                self.dec, self.bounds = self._new(), _ZstdBounds()
+            if self.kind == "gzip":
+                self.buf += self.dec.decompress(self.pending, CHUNK)
+                self.pending = self.dec.unused_data if self.dec.eof else self.dec.unconsumed_tail
+            else:
+                n = self.bounds.take(self.pending, CHUNK) or (len(self.pending) if final else 0)
+                feed, self.pending = self.pending[:n], self.pending[n:]
+                self.buf += self.dec.decompress(feed)
+                if self.dec.eof and self.dec.unused_data:
+                    self.pending = self.dec.unused_data + self.pending
         except (EOFError, OSError, zlib.error, zstandard.ZstdError) as exc:
-            where = "" if member_start is None else f" (data after a complete {self.kind} stream, at compressed byte {member_start})"
+            where = "" if self.member_start is None else f" (data after a complete {self.kind} stream, at compressed byte {self.member_start})"
             self.error = type(exc)(f"{exc}{where}")
 
     def read(self, n: int) -> bytes:
@@ -129,12 +143,67 @@ class _Decompressor:
             self._fill()
         if not self.buf and self.error is not None:
             raise self.error
-        out = bytes(self.buf[:n])
-        del self.buf[:n]
+        out, self.buf = self.buf[:n], self.buf[n:]  # bytes: a bytearray trimmed at the front kept its peak size
         return out
 
 
 DECOMPRESSION_ERRORS = (EOFError, OSError, zlib.error, zstandard.ZstdError)
+_ZSTD_MAGIC, _ZSTD_SKIPPABLE = 0xFD2FB528, 0x184D2A50
+_ZSTD_BLOCK_MAX = 128 << 10
+
+
+class _ZstdBounds:
+    """Where to cut zstd input so that one decompress call makes at most about `limit` bytes (python-zstandard's
+    decompressobj has no output bound). Block headers give each block's decoded size (raw and RLE blocks
+    exactly, compressed ones at most 128 KiB), so input is fed a few blocks at a time whatever its ratio. Bytes
+    that are not a zstd frame are fed whole: the decoder rejects them without output."""
+
+    def __init__(self):
+        self.unit, self.state, self.checksum = 0, "frame", 0
+
+    def take(self, data: bytes, limit: int) -> int:
+        """How many bytes of `data` to feed now (0: more input is needed to tell). Stops at a frame's end."""
+        i = out = 0
+        while i < len(data):
+            if self.unit:
+                step = min(self.unit, len(data) - i)
+                i, self.unit = i + step, self.unit - step
+                if not self.unit and self.state == "end":
+                    return i
+                continue
+            if self.state == "raw":
+                return len(data)
+            if self.state == "frame":
+                if len(data) - i < 8:
+                    return i
+                magic = int.from_bytes(data[i:i + 4], "little")
+                if magic & 0xFFFFFFF0 == _ZSTD_SKIPPABLE:
+                    self.unit, self.state = 8 + int.from_bytes(data[i + 4:i + 8], "little"), "end"
+                    continue
+                if magic != _ZSTD_MAGIC:
+                    self.state = "raw"
+                    continue
+                d = data[i + 4]
+                single = (d >> 5) & 1
+                self.unit = 5 + (1 - single) + (0, 1, 2, 4)[d & 3] + (single, 2, 4, 8)[d >> 6]
+                self.checksum, self.state = (d >> 2) & 1, "block"
+                continue
+            if self.state == "block":
+                if len(data) - i < 3:
+                    return i
+                h = int.from_bytes(data[i:i + 3], "little")
+                kind, size = (h >> 1) & 3, h >> 3
+                bound = size if kind in (0, 1) else _ZSTD_BLOCK_MAX
+                if out and out + bound > limit:
+                    return i
+                out += bound
+                self.unit = 3 + (1 if kind == 1 else size)
+                if h & 1:  # the frame's last block (and its checksum)
+                    self.unit += 4 * self.checksum
+                    self.state = "end"
+                continue
+            return i  # "end": the frame is complete
+        return i
 
 
 def decompression_damage(offset: int, reason: str) -> Damage:
@@ -273,7 +342,8 @@ def _iter_lines(reader: _CountingReader, first: bytes, result: ReadResult, limit
             yield base + start - dropped, (None if size > limit else buf[start:end]), size, nl >= 0, head
             if nl < 0:
                 return
-            start = scan = nl + 1
+            blank_end = _SPACE.match(buf, nl + 1).end()  # skip blank lines in one call (an empty-line bomb)
+            start = scan = buf.rfind(b"\n", nl, blank_end) + 1
             dropped, head = 0, b""
             continue
         if dropped or len(buf) - start > limit:  # over the limit already: keep only its head for the report
