@@ -393,9 +393,9 @@ def run(args) -> int:
     if args.backend == "servers" and not args.servers:
         raise PipelineError("--backend servers needs --servers URL [URL ...]")
     if args.model and (args.backend == "hf" or args.api == "generate") and Path(args.model).is_dir():
-        from dflash_pipeline.planning.preflight import _has_chat_template
+        from dflash_pipeline.planning.preflight import has_chat_template
 
-        if not _has_chat_template(Path(args.model)):  # the prompts are rendered here: say so before any work
+        if not has_chat_template(Path(args.model)):  # the prompts are rendered here: say so before any work
             raise PipelineError(f"generate --model {args.model}: the target has no chat template (no "
                                 "chat_template.jinja, no chat_template in tokenizer_config.json); copy the model's "
                                 "template there, or use a chat model")

@@ -49,7 +49,7 @@ def schema_errors(config: dict, schema_path: str | Path) -> list[str]:
     return [config_error_line(e) for e in errors]
 
 
-def _has_chat_template(model: Path) -> bool:
+def has_chat_template(model: Path) -> bool:
     if (model / "chat_template.jinja").exists() or (model / "chat_template.json").exists():
         return True
     cfg = model / "tokenizer_config.json"
@@ -98,7 +98,7 @@ def target_problems(model_path: str) -> list[str]:
         missing.append("the weights (*.safetensors)")
     if not names & set(TOKENIZER_FILES):
         missing.append(f"the tokenizer ({' or '.join(TOKENIZER_FILES[:2])})")
-    if not _has_chat_template(model):
+    if not has_chat_template(model):
         missing.append("a chat template (chat_template.jinja, or chat_template in tokenizer_config.json)")
     if not missing:
         return []
