@@ -198,3 +198,38 @@ def test_decompression_bomb_inside_a_json_array_record(tmp_path):
     assert peak < 64 << 20, f"peak {peak / 2**20:.0f} MiB"
     assert (stats["records_read"], stats["kept"], stats["quarantined"]) == (2, 1, 1)
     assert "over max_record_bytes" in quarantine[0]["reason"]
+
+
+# ------------------------------------------------------------------------------ 14: special files
+def _special_inputs(tmp_path: Path) -> dict[str, Path]:
+    import os
+
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)  # no writer: opening it for reading would block forever
+    zero = tmp_path / "zero.jsonl"
+    zero.symlink_to("/dev/zero")  # endless NULs
+    return {"FIFO": fifo, "character device": zero}
+
+
+def test_fifo_and_device_inputs_are_refused_by_ingest_without_hanging(tmp_path):
+    from conftest import run_cli
+
+    for kind, path in _special_inputs(tmp_path).items():
+        proc = run_cli("ingest", "--input", path, "--out", tmp_path / "r.parquet", "--stats", tmp_path / "s.json",
+                       "--quarantine", tmp_path / "q.jsonl", check=False, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        line = proc.stderr.strip().splitlines()[-1]
+        assert str(path) in line and "not a regular file" in line and kind in line, line
+
+
+def test_fifo_and_device_inputs_are_refused_at_preflight(tmp_path):
+    from dflash_pipeline.planning.preflight import input_problems
+
+    special = _special_inputs(tmp_path)
+    good = tmp_path / "ok.jsonl"
+    good.write_text(json.dumps(conv(0)) + "\n")
+    inputs = {"a": str(special["FIFO"]), "b": str(special["character device"]), "c": str(good)}
+    problems = input_problems(inputs, set(), None)
+    assert len(problems) == 2, problems
+    for (kind, path), line in zip(special.items(), problems):
+        assert str(path) in line and "not a regular file" in line and kind in line, line

@@ -79,7 +79,29 @@ def open_binary(uri: str) -> IO[bytes]:
                 raise s3_error(uri, exc) from exc
             raise
         return io.BufferedReader(_RawStream(body), buffer_size=1 << 20)
+    problem = not_regular_file(uri)
+    if problem:  # checked before open(): opening a FIFO without a writer blocks forever
+        raise PipelineError(f"{uri}: {problem}")
     return open(uri, "rb")
+
+
+def not_regular_file(path: str) -> str | None:
+    """Why a local path that exists is not a regular file (after symlinks), or None: a FIFO hangs its reader
+    and a device (a symlink to /dev/zero) never ends."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # missing or unreadable: open() names it
+    if stat.S_ISREG(mode):
+        return None
+    kind = ("FIFO" if stat.S_ISFIFO(mode) else "character device" if stat.S_ISCHR(mode) else
+            "block device" if stat.S_ISBLK(mode) else "socket" if stat.S_ISSOCK(mode) else
+            "directory" if stat.S_ISDIR(mode) else "special file")
+    link = f" (a symlink to {os.path.realpath(path)})" if os.path.islink(path) else ""
+    return (f"not a regular file: a {kind}{link}; inputs must be regular files (a FIFO or a device would hang "
+            "or never end)")
 
 
 class _RawStream(io.RawIOBase):

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from dflash_pipeline.storage import not_regular_file
+
 # the rules that ask for GPUs, and the config section that says how much each needs (the config owns the GPU
 # count, runtime and memory of a job; a profile says where it runs)
 GPU_RULES = {"calibrate": "generate", "generate": "generate", "generate_group": "generate", "extract": "extract",
@@ -137,6 +139,8 @@ def input_problems(inputs: dict[str, str], built: set[str], remote_storage: str 
                             f"storage ({remote_storage}); upload it and list its s3:// URI in inputs")
         elif not os.path.exists(path):
             problems.append(f"config inputs: {path}: no such file; fix the path (globs are allowed) in inputs")
+        elif not_regular_file(path):
+            problems.append(f"config inputs: {path}: {not_regular_file(path)}")
     return problems
 
 
