@@ -148,11 +148,22 @@ def test_report_compares_calibration_and_plan_with_the_run(tmp_path):
     assert by[("generation", "output tokens (whole corpus)")] == [1000, 1100, 1.1]
     assert by[("generation", "finish_reason=length rate")] == [0.2, 0.5, 2.5]
     assert by[("extraction", "tokens")] == [2000, 2200, 1.1] and by[("extraction", "tok/s")] == [100, 110.0, 1.1]
+    bench = tmp_path / "benchmarks"
+    for stage, seconds in (("extract", 72.0), ("train", 180.0), ("evaluate", 36.0)):
+        (bench / stage).mkdir(parents=True)
+        (bench / stage / "x.tsv").write_text(f"s\th:m:s\n{seconds}\t0:01:00\n")
+    plan.update({"extract_gpu_hours": 0.02, "train_gpu_hours": 0.04})
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    rows = plan_vs_actual(str(tmp_path / "plan.json"), None, [], [str(tmp_path / "a.stats.json")], str(bench))
+    by = {(r[0], r[1]): r[2:6] for r in rows}  # per stage: the plan's job time against the benchmark files
+    assert by[("extraction", "job-hours (Snakemake benchmarks)")][:3] == [0.02, 0.02, 1.0]
+    assert by[("training", "job-hours (Snakemake benchmarks)")][:3] == [0.04, 0.05, 1.25]
+    assert by[("evaluation", "job-hours (Snakemake benchmarks)")] == [None, 0.01, None, "not projected by the plan"]
     run_cli("report-figures", "--generation", tmp_path / "a.summary.json", "--extraction", tmp_path / "a.stats.json",
             "--plan", tmp_path / "plan.json", "--calibration", tmp_path / "cal.json", "--out-dir", tmp_path / "report")
     page = (tmp_path / "report" / "summary.html").read_text()
-    assert "Calibration and plan vs actual" in page and "<td>output tok/s per job (start-up excluded)</td>" in page
-    assert "Generation calibration" in page
+    assert "calibration and plan vs actual" in page and "<td>output tok/s per job (start-up excluded)</td>" in page
+    assert "generation calibration" in page.lower()
 
 
 def test_shard_size_by_bytes_and_assumed_generation():

@@ -285,6 +285,9 @@ def extraction_vs_plan(plan: dict, stats: list[str], bench_dir: str | None, gpus
         "tok/s": (plan.get("extract_tok_s"), round(tokens / seconds, 1) if seconds else None, hardware),
         "GPU-hours (job-hours x GPUs per job)": (plan.get("extract_gpu_hours"),
                                                 _gpu_hours(bench_dir, "extract", gpus), hardware),
+        # the plan's job time: every job's start-up + tokens at its rate (measured or ASSUMED: plan.txt says)
+        "job-hours (Snakemake benchmarks)": (plan.get("extract_gpu_hours"), _job_hours(bench_dir, "extract"),
+                                             hardware),
     }
     return [["extraction", k, p, a, None if note else _ratio(a, p), note] for k, (p, a, note) in pairs.items()]
 
@@ -304,6 +307,13 @@ def plan_vs_actual(plan_path: str | None, cal_path: str | None, summaries: list[
             note = _not_comparable(plan, devices)
             rows.append(["training", "GPU-hours (job-hours x GPUs per job)", plan["train_gpu_hours"], actual,
                          None if note else _ratio(actual, plan["train_gpu_hours"]), note])
+            hours = _job_hours(bench_dir, "train")
+            rows.append(["training", "job-hours (Snakemake benchmarks)", plan["train_gpu_hours"], hours,
+                         None if note else _ratio(hours, plan["train_gpu_hours"]), note])
+        evaluated = _job_hours(bench_dir, "evaluate")
+        if evaluated is not None:
+            rows.append(["evaluation", "job-hours (Snakemake benchmarks)", None, evaluated, None,
+                         "not projected by the plan"])
     return rows
 
 
