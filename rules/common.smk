@@ -640,7 +640,7 @@ def run_preflight():
     remote = (
         f"{storage_provider} {workflow.storage_settings.default_storage_prefix or ''}" if storage_provider else None
     )
-    problems += preflight.input_problems(RAW_INPUTS, set(demo_data_files()), remote)
+    problems += preflight.input_problems(RAW_INPUTS, set(demo_data_files()), remote, results=R)
     rules_resources = {r.name: _known_resources(r.resources) for r in workflow.rules}
     overrides = {
         name: _known_resources(Resources.from_mapping(m))

@@ -233,3 +233,46 @@ def test_fifo_and_device_inputs_are_refused_at_preflight(tmp_path):
     assert len(problems) == 2, problems
     for (kind, path), line in zip(special.items(), problems):
         assert str(path) in line and "not a regular file" in line and kind in line, line
+
+
+# ------------------------------------------------------------------------------ 10: inputs under the results
+def test_inputs_under_the_results_directory_are_refused_at_preflight(tmp_path):
+    """`results: data/results` with `inputs: data/*/*/*/*.jsonl`: the second run matched its own generation
+    journals. Any input under the results directory (also through a symlink) is refused, with the fix."""
+    from dflash_pipeline.planning.preflight import input_problems
+
+    results = tmp_path / "data" / "results"
+    journal = results / "completions" / "journal" / "s-00000.jsonl"
+    journal.parent.mkdir(parents=True)
+    journal.write_text(json.dumps(conv(0)) + "\n")
+    raw = tmp_path / "data" / "raw" / "a" / "b.jsonl"
+    raw.parent.mkdir(parents=True)
+    raw.write_text(json.dumps(conv(1)) + "\n")
+    (tmp_path / "alias").symlink_to(results)
+    aliased = tmp_path / "alias" / "completions" / "journal" / "s-00000.jsonl"
+    inputs = {"a": str(journal), "b": str(raw), "c": str(aliased)}
+    problems = input_problems(inputs, set(), None, results=str(results))
+    assert len(problems) == 2, problems
+    assert str(journal) in problems[0] and "under the results directory" in problems[0]
+    assert str(aliased) in problems[1] and "own outputs" in problems[1]
+
+
+def test_snakemake_dry_run_refuses_a_glob_that_matches_the_results(tmp_path, tiny_target):
+    """The issue's layout through the real Snakefile: `results: data/results`, `inputs: data/*/*/*/*.jsonl`."""
+    import yaml
+    from workflow_runs import make_workdir, snakemake
+
+    work = make_workdir(tmp_path / "w")
+    journal = work / "data" / "results" / "completions" / "journal" / "s-00000.jsonl"
+    raw = work / "data" / "raw" / "x" / "y" / "a.jsonl"
+    for path in (journal, raw):
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(conv(0)) + "\n")
+    user = {"demo": {"enabled": False}, "inputs": ["data/*/*/*/*.jsonl"], "results": "data/results",
+            "target": {"model_path": str(tiny_target)}}
+    (work / "user.yaml").write_text(yaml.safe_dump(user))
+    proc = snakemake(work, "-n", configfiles=("user.yaml",), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    lines = [ln.strip() for ln in out.splitlines() if "under the results directory" in ln]
+    assert lines and "data/results/completions/journal/s-00000.jsonl" in lines[0], out[-3000:]

@@ -127,11 +127,19 @@ def backend_problems(generate: dict, supported_sglang: str) -> list[str]:
     return []
 
 
-def input_problems(inputs: dict[str, str], built: set[str], remote_storage: str | None) -> list[str]:
+def input_problems(inputs: dict[str, str], built: set[str], remote_storage: str | None,
+                   results: str | None = None) -> list[str]:
     """Every configured input is reachable by the jobs: with a default storage provider (Kubernetes) an input must
-    be on that storage; otherwise a local file must exist. Inputs that a rule builds (the demo's) are fine."""
+    be on that storage; otherwise a local file must exist. Inputs that a rule builds (the demo's) are fine. No
+    input lies under `results`: a glob that matches the run's own outputs (its generation journals) would
+    ingest them as new samples on every run."""
     problems = []
+    outputs = os.path.realpath(results) if results and not results.startswith("s3://") else None
     for path in inputs.values():
+        if outputs and not path.startswith("s3://") and _is_under(os.path.realpath(path), outputs):
+            problems.append(f"config inputs: {path} is under the results directory {results}: the pipeline would "
+                            "ingest its own outputs; narrow the glob or move the results (config results)")
+            continue
         if path in built or path.startswith("s3://"):
             continue
         if remote_storage:
@@ -142,6 +150,10 @@ def input_problems(inputs: dict[str, str], built: set[str], remote_storage: str 
         elif not_regular_file(path):
             problems.append(f"config inputs: {path}: {not_regular_file(path)}")
     return problems
+
+
+def _is_under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
 def resource_problems(rules: dict[str, dict], overrides: dict[str, dict], config: dict, executor: str,
