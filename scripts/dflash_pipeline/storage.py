@@ -72,13 +72,14 @@ def open_binary(uri: str) -> IO[bytes]:
     """A readable binary stream over a local file or an S3 object (streamed, not downloaded first)."""
     if is_s3(uri):
         bucket, key = split_s3(uri)
+        client = s3_client()
         try:
-            body = s3_client().get_object(Bucket=bucket, Key=key)["Body"]
+            resp = client.get_object(Bucket=bucket, Key=key)
         except Exception as exc:  # noqa: BLE001 - botocore's errors become one line naming the object
             if is_botocore_error(exc):
                 raise s3_error(uri, exc) from exc
             raise
-        return io.BufferedReader(_RawStream(body), buffer_size=1 << 20)
+        return io.BufferedReader(_RawStream(resp["Body"], _Resume(client, uri, resp.get("ETag"))), buffer_size=1 << 20)
     problem = not_regular_file(uri)
     if problem:  # checked before open(): opening a FIFO without a writer blocks forever
         raise PipelineError(f"{uri}: {problem}")
@@ -104,16 +105,57 @@ def not_regular_file(path: str) -> str | None:
             "or never end)")
 
 
+BODY_RETRIES = 5  # a body cut short (IncompleteRead) is read on from where it stopped, this many times in a row
+
+
+def _is_cut_short(exc: BaseException) -> bool:
+    """A response body that ended early: botocore's IncompleteReadError / ResponseStreamingError, or urllib3's
+    and http.client's own errors under them."""
+    mod = type(exc).__module__ or ""
+    return mod.startswith(("botocore", "urllib3", "http.client")) or isinstance(exc, (ConnectionError, TimeoutError))
+
+
+class _Resume:
+    """Re-opens an S3 object at a byte offset (a ranged GET of the same ETag) after its body was cut short."""
+
+    def __init__(self, client, uri: str, etag: str | None):
+        self.client, self.uri, self.etag = client, uri, etag
+
+    def body_from(self, offset: int):
+        bucket, key = split_s3(self.uri)
+        kwargs = {"IfMatch": self.etag} if self.etag else {}
+        try:
+            return self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-", **kwargs)["Body"]
+        except Exception as exc:  # noqa: BLE001 - one line naming the object
+            if is_botocore_error(exc):
+                raise s3_error(self.uri, exc) from exc
+            raise
+
+
 class _RawStream(io.RawIOBase):
-    def __init__(self, body):
-        self._body = body
+    def __init__(self, body, resume: _Resume | None = None):
+        self._body, self._resume, self._pos = body, resume, 0
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        data = self._body.read(len(buffer))
+        for attempt in range(BODY_RETRIES + 1):
+            try:
+                data = self._body.read(len(buffer))
+                break
+            except Exception as exc:  # noqa: BLE001 - a cut body is transient: read on with a ranged GET
+                if self._resume is None or not _is_cut_short(exc):
+                    raise
+                if attempt == BODY_RETRIES:
+                    raise PipelineError(f"{self._resume.uri}: S3 response body cut short at byte {self._pos} "
+                                        f"{BODY_RETRIES + 1} times in a row ({redact_credentials(exc)}); "
+                                        "check the network or the S3 endpoint and rerun") from exc
+                with contextlib.suppress(Exception):
+                    self._body.close()
+                self._body = self._resume.body_from(self._pos)
         buffer[: len(data)] = data
+        self._pos += len(data)
         return len(data)
 
     def close(self) -> None:
