@@ -641,6 +641,8 @@ def run_preflight():
         f"{storage_provider} {workflow.storage_settings.default_storage_prefix or ''}" if storage_provider else None
     )
     problems += preflight.input_problems(RAW_INPUTS, set(demo_data_files()), remote, results=R)
+    if not storage_provider:  # a results directory belongs to one working directory (its .snakemake records)
+        problems += [p for p in [preflight.results_owner_problem(R, os.getcwd(), claim=not workflow.dryrun)] if p]
     rules_resources = {r.name: _known_resources(r.resources) for r in workflow.rules}
     overrides = {
         name: _known_resources(Resources.from_mapping(m))

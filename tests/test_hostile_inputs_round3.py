@@ -380,3 +380,26 @@ def test_s3_body_that_stays_cut_names_the_object(tmp_path, s3_server):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert f"s3://{S3_BUCKET}/cut/always.jsonl" in line and "cut short" in line and "6 times" in line, line
+
+
+# ------------------------------------------------------------------------------ 11: one results dir, two workdirs
+def test_a_results_directory_shared_by_two_working_directories_is_refused(tmp_path, tiny_target):
+    """Two working directories, one absolute `results:` (max_length 256 and 64): each had its own Snakemake
+    records, so both said "Nothing to be done" over shards mixed from both. The first real run claims the
+    results; a run (even a dry run) from another working directory is refused with how to proceed."""
+    import yaml
+    from workflow_runs import make_workdir, snakemake
+
+    from dflash_pipeline.planning.preflight import results_owner_problem
+
+    results = tmp_path / "shared-results"
+    first, second = make_workdir(tmp_path / "w1"), make_workdir(tmp_path / "w2")
+    assert results_owner_problem(str(results), str(first), claim=True) is None  # what w1's first run does
+    assert results_owner_problem(str(results), str(first), claim=True) is None  # and again: its own
+    user = {"results": str(results), "tokenize": {"max_length": 64}}
+    (second / "user.yaml").write_text(yaml.safe_dump(user))
+    proc = snakemake(second, "-n", configfiles=("user.yaml",), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    [line] = [ln.strip() for ln in out.splitlines() if "belongs to the runs from" in ln]
+    assert str(results) in line and str(first.resolve()) in line and "another `results:`" in line, line

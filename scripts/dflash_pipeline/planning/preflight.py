@@ -152,6 +152,36 @@ def input_problems(inputs: dict[str, str], built: set[str], remote_storage: str 
     return problems
 
 
+RESULTS_OWNER = ".dflash-owner.json"
+
+
+def results_owner_problem(results: str, workdir: str, claim: bool) -> str | None:
+    """A results directory belongs to the working directory that first ran into it: Snakemake's records of what
+    it built (and from which settings) live in that working directory's .snakemake/, so a second working
+    directory sharing the results would mix shards of two configurations and see "Nothing to be done". The
+    owner is written on a real run (`claim`); a run from another working directory is refused."""
+    path = os.path.join(results, RESULTS_OWNER)
+    # relative to the results: a run directory copied whole (results inside it) still owns its copy
+    here = os.path.relpath(os.path.realpath(workdir), os.path.realpath(results))
+    try:
+        with open(path, encoding="utf-8") as fh:
+            owner = json.load(fh).get("workdir_from_results")
+    except FileNotFoundError:
+        owner = None
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"results {results}: unreadable {RESULTS_OWNER} ({exc}); delete it if this directory is yours"
+    if owner and owner != here:
+        owner = os.path.normpath(os.path.join(os.path.realpath(results), owner))
+        return (f"results {results} belongs to the runs from {owner} (their Snakemake records are there, and its "
+                f"settings may differ): set another `results:` for this working directory, run from {owner}, or "
+                f"delete {results} to start it over from here")
+    if owner is None and claim:
+        os.makedirs(results, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({"workdir_from_results": here}, fh)
+    return None
+
+
 def _is_under(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
