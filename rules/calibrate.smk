@@ -45,6 +45,7 @@ rule calibrate:
         **GEN_RESOURCES,
     params:
         model=lambda wc, input: target_model_dir(input.model),
+        target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         settings=calibration_settings(),
         sample=calibration_sample_identity,
         server_logs=log("calibrate.servers").removesuffix(".log"),

@@ -16,6 +16,7 @@ from dflash_pipeline.cluster.launch_torchrun import train_resources
 from dflash_pipeline.generation.sglang_flags import version as sglang_flags_version
 from dflash_pipeline.planning import preflight
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.target import fingerprint as target_fingerprint
 from dflash_pipeline.target import is_gguf_path
 from dflash_pipeline.target_import.gguf import IMPORTED_FILES
 
@@ -150,6 +151,14 @@ except PipelineError as exc:
     TARGET_SOURCE, TARGET_RESOLVED = config["target"]["model_path"], False
 TARGET_IS_GGUF = is_gguf_path(TARGET_SOURCE) and not DEMO_BUILDS_TARGET
 TARGET_IMPORT_DIR = os.path.join(R, "target")
+
+# A user's model directory is no job's output, so no job's input: its identity (target.fingerprint: config, chat
+# template and tokenizer files, the weight files' names, sizes and mtimes) is a param of every job that reads the
+# target, so a target retrained or re-templated in place reruns exactly those jobs (tokenize and the plan only
+# when what tokenization reads changed). The demo's target and an imported GGUF are outputs: mtimes do that.
+TARGET_TRACKED = TARGET_RESOLVED and not DEMO_BUILDS_TARGET and not TARGET_IS_GGUF and os.path.isdir(TARGET_SOURCE)
+TARGET_IDENTITY = target_fingerprint(TARGET_SOURCE) if TARGET_TRACKED else "a workflow output"
+TOKENIZER_IDENTITY = target_fingerprint(TARGET_SOURCE, weights=False) if TARGET_TRACKED else "a workflow output"
 
 
 def target_model_files():
@@ -316,7 +325,16 @@ def generation_backend_settings():
     backend `servers` are operational (generation_runtime_settings)."""
     if GEN["backend"] == "hf":
         # not threads: how fast, not what (generation_runtime_settings)
-        hf_keys = ("batch_size", "device", "dtype", "context_length", "max_batch_tokens", "cache", "engine", "slot_width")
+        hf_keys = (
+            "batch_size",
+            "device",
+            "dtype",
+            "context_length",
+            "max_batch_tokens",
+            "cache",
+            "engine",
+            "slot_width",
+        )
         return {k: GEN_HF[k] for k in hf_keys if GEN_HF.get(k) not in (None, "")}
     if GEN["backend"] == "servers":
         if not GEN["servers"]:
@@ -521,6 +539,7 @@ def extraction_group_of(shard):
 
 def extraction_group_members(exgroup):
     return [s for s in shard_ids() if extraction_group_of(s) == exgroup]
+
 
 # what the plan and the cost preview read of the config
 # what the plan and the preview read of each section (planning/plan.py, projection.py), and only that: a

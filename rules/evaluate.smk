@@ -25,6 +25,7 @@ rule evaluate:
         mem_mb=EVAL["mem_mb"],
     params:
         model=lambda wc, input: target_model_dir(input.model),
+        target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         settings=stage_settings("evaluate", drop=("prompts_file",), **TRUST),
         prompts=lambda wc, input: f"--prompts-file {shlex.quote(input.prompts[0])}" if input.prompts else "",
     shell:

@@ -22,6 +22,7 @@ rule preview:
         ENV_CPU
     params:
         model=lambda wc, input: target_model_dir(input.model),
+        target=TOKENIZER_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         config=PLAN_CONFIG,
         stats=os.path.join(R, "hidden/*.stats.json"),
     shell:
@@ -45,6 +46,7 @@ checkpoint plan:
         ENV_CPU
     params:
         model=lambda wc, input: target_model_dir(input.model),
+        target=TOKENIZER_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         config=PLAN_CONFIG,
         stats=os.path.join(R, "hidden/*.stats.json"),
     shell:
@@ -67,12 +69,12 @@ rule extract:
         model=target_model_files(),
     output:
         directory(os.path.join(R, "hidden/groups/{exgroup}")),
-    wildcard_constraints:
-        exgroup=r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*?-x\d{5}",
     log:
         log("extract/{exgroup}"),
     benchmark:
         bench("extract/{exgroup}")
+    wildcard_constraints:
+        exgroup=r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*?-x\d{5}",
     conda:
         ENV_GPU
     threads: EXTRACT["encode_threads"]
@@ -82,6 +84,7 @@ rule extract:
         mem_mb=EXTRACT["mem_mb"],
     params:
         model=lambda wc, input: target_model_dir(input.model),
+        target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         partial=lambda wc, output: output[0] + ".partial",
         outs=lambda wc, output: [
             os.path.join(output[0] + ".partial", f"{s}.dfhs") for s in extraction_group_members(wc.exgroup)
@@ -115,6 +118,8 @@ rule hidden_from_group:
         stats=os.path.join(R, "hidden/{shard}.stats.json"),
     log:
         log("extract/{shard}.link"),
+    conda:
+        ENV_CPU
     shell:
         # a hard link (the same bytes, no copy); a copy where the file system has none (another device, storage).
         # touch: the link is newer than the group's timestamp, as a copy would be

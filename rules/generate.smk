@@ -30,6 +30,7 @@ if GEN["enabled"] and GEN["shards_per_job"] == 1:
             **GEN_RESOURCES,
         params:
             model=lambda wc, input: target_model_dir(input.model),
+            target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
             journal=os.path.join(R, "completions/journal"),
             server_logs=lambda wc: log(f"generate/{wc.shard}.servers").removesuffix(".log"),
             settings=GEN_SETTINGS,
@@ -62,6 +63,7 @@ elif GEN["enabled"]:
             **GEN_RESOURCES,
         params:
             model=lambda wc, input: target_model_dir(input.model),
+            target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
             # the group's files are written under .partial and renamed at the end: a killed job (SIGKILL, no
             # cleanup) leaves no directory that a rerun could take for complete; the journal keeps its samples
             partial=lambda wc, output: output[0] + ".partial",

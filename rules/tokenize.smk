@@ -19,6 +19,7 @@ if SHARDS_PER_JOB == 1:
             ENV_CPU
         params:
             model=lambda wc, input: target_model_dir(input.model),
+            target=TOKENIZER_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
             settings=stage_settings("tokenize", trivial_tokens=config["audit"]["trivial_response_tokens"], **TRUST),
         shell:
             "dflash-pipeline tokenize --input {input.conversations:q} --model {params.model:q} --out {output.tokens:q} "
@@ -47,6 +48,7 @@ else:
             ENV_CPU
         params:
             model=lambda wc, input: target_model_dir(input.model),
+            target=TOKENIZER_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
             settings=stage_settings("tokenize", trivial_tokens=config["audit"]["trivial_response_tokens"], **TRUST),
         shell:
             "dflash-pipeline tokenize --input {input.conversations:q} --model {params.model:q} --out-dir {output:q} "

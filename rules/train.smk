@@ -26,6 +26,7 @@ rule train:
         nnodes=TRAIN["nodes"],
     params:
         model=lambda wc, input: target_model_dir(input.model),
+        target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         checkpoints=os.path.join(R, "train/checkpoints"),  # not an output: survives a failed job for resume
         settings=train_settings(),
     shell:
@@ -49,6 +50,7 @@ rule export:
         ENV_CPU
     params:
         model=lambda wc, input: target_model_dir(input.model),
+        target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         settings=stage_settings(None, dtype=DRAFTER["export_dtype"], **TRUST),
     shell:
         "dflash-pipeline export --drafter {input.drafter:q} --model {params.model:q} --out {output:q} --settings {params.settings:q} "

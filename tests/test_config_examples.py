@@ -5,6 +5,7 @@ settings that the stages themselves accept."""
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import importlib
 import json
@@ -144,12 +145,14 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
     snakemake(work, "results/ingest/manifest.json", "--cores", "2", configfiles=configs)
     shards = json.loads((work / "results/ingest/manifest.json").read_text())["shards"]
     n, files = len(shards), len({s["src"] for s in shards})
+    per_file = collections.Counter(s["src"] for s in shards)
+    groups = sum(-(-k // cfg["extract"].get("shards_per_job", 8)) for k in per_file.values())  # extraction jobs
     proc = snakemake(work, "-n", "-p", "--resources", "gpu=8", configfiles=configs)
     plan = planned(proc)
     # the regenerated dataset's audit and gate join the plan once the source gate (a checkpoint) has run
     expect = {"shard": n, "tokenize": 2 * n, "audit": 1, "gate": 1, "calibration_sample": 1, "calibrate": 1,
-              "plan": 1, "generation_gate": 1, "generate_group": files, "completions_from_group": n, "extract": n,
-              "train": 1, "export": 1, "evaluate": 1, "evaluate_gate": 1, "run_report": 1, "all": 1}
+              "plan": 1, "generation_gate": 1, "generate_group": files, "completions_from_group": n,
+              "extract": groups, "hidden_from_group": n, "train": 1, "export": 1, "evaluate": 1, "evaluate_gate": 1, "run_report": 1, "all": 1}
     assert plan == expect, plan
 
     out = proc.stdout + proc.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -403,3 +404,72 @@ def test_a_results_directory_shared_by_two_working_directories_is_refused(tmp_pa
     assert proc.returncode != 0, out[-3000:]
     [line] = [ln.strip() for ln in out.splitlines() if "belongs to the runs from" in ln]
     assert str(results) in line and str(first.resolve()) in line and "another `results:`" in line, line
+
+
+# ------------------------------------------------------------------------------ 12: the target's identity
+def test_target_fingerprint_covers_weights_chat_template_and_tokenizer(tmp_path, tiny_target):
+    """A retrained target (weights rewritten) or an edited chat template or tokenizer is another target; what
+    tokenization reads (weights=False) moves with the template and tokenizer only."""
+    import os
+    import shutil
+
+    from dflash_pipeline.target import fingerprint
+
+    model = tmp_path / "target"
+    shutil.copytree(tiny_target, model)
+    full, tok = fingerprint(model), fingerprint(model, weights=False)
+    assert (fingerprint(model), fingerprint(model, weights=False)) == (full, tok)  # stable
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # rewritten in place
+    assert fingerprint(model) != full and fingerprint(model, weights=False) == tok
+    full = fingerprint(model)
+    template = model / "chat_template.jinja"
+    template.write_text(template.read_text() + "{# edited #}")
+    assert fingerprint(model) != full and fingerprint(model, weights=False) != tok
+
+
+@pytest.mark.slow
+def test_a_target_changed_in_place_reruns_the_jobs_that_read_it(tmp_path, tiny_target, demo_raw):
+    """Through the real Snakefile, a user's model directory: after the tokens and their audit exist, rewriting
+    the weights in place reruns nothing that only tokenizes (and the dry run says so), an edited chat template
+    reruns tokenization; the jobs that read the weights carry the weights' identity as a param."""
+    import os
+    import shutil
+
+    import yaml
+    from workflow_runs import make_workdir, snakemake
+
+    work = make_workdir(tmp_path / "w")
+    model = tmp_path / "user-target"
+    shutil.copytree(tiny_target, model)
+    user = {"target": {"model_path": str(model)}, "inputs": [str(p) for p in sorted(demo_raw.iterdir())]}
+    (work / "user.yaml").write_text(yaml.safe_dump(user))
+    configs = ("tiny.yaml", "user.yaml")
+    report, calibration = "results/audit/source/report.json", "results/calibration/generation.json"
+    snakemake(work, report, calibration, "--cores", "2", configfiles=configs)  # calibration: the target answers
+    dry = snakemake(work, "-n", report, calibration, configfiles=configs)
+    assert "Nothing to be done" in dry.stdout + dry.stderr
+
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # retrained in place
+    dry = snakemake(work, "-n", report, configfiles=configs)
+    assert "Nothing to be done" in dry.stdout + dry.stderr  # tokenization does not read the weights
+    dry = snakemake(work, "-n", report, calibration, configfiles=configs)
+    out = dry.stdout + dry.stderr  # the one job so far that ran the target's weights, and only it
+    assert planned(out) == {"calibrate": 1, "total": 1}, out[-3000:]
+    assert re.search(r"reason: .*[Pp]arams have changed", out), out[-3000:]
+
+    template = model / "chat_template.jinja"
+    template.write_text(template.read_text() + "{# edited #}")
+    dry = snakemake(work, "-n", report, configfiles=configs)
+    out = dry.stdout + dry.stderr
+    assert "Nothing to be done" not in out and planned(out).get("tokenize"), out[-3000:]
+    assert re.search(r"reason: .*[Pp]arams have changed", out), out[-3000:]
+
+
+def planned(out: str) -> dict:
+    """The job counts of a dry run's table."""
+    table = out.split("Job stats:", 1)[1] if "Job stats:" in out else ""
+    return {m[0]: int(m[1]) for m in re.findall(r"^(\w+)\s+(\d+)$", table, flags=re.M)}

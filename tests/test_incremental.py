@@ -83,8 +83,10 @@ def test_report_collects_every_stage(done_run):
                  "summary.html"):
         assert item in page, item
     summary = (done_run / "results/report/summary.html").read_text()
-    for section in ("Generation", "Training", "Acceptance length", "Stage wall time"):
-        assert section in summary
+    heads = re.findall(r"<h2>(.*?)</h2>", summary)
+    assert heads[0] == "Result: acceptance length (tau)", heads  # the result leads, then cost, then data
+    for section in ("Cost: stage wall time (Snakemake benchmarks)", "Data: generation", "Data: training"):
+        assert section in heads, (section, heads)
     # readable on its own (tests/test_report_summary.py has the details): figures embedded, no reprs in cells
     assert summary.count("src='data:image/png;base64,") == 4 and "{&quot;" not in summary and "<td>{" not in summary
     assert "not comparable" in summary  # the plan's GPU rates against this CPU run

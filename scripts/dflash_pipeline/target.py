@@ -39,20 +39,28 @@ def read_config(model_dir: str | Path) -> dict:
         raise PipelineError(f"{path}: unreadable target config ({exc})") from exc
 
 
-def fingerprint(model_dir: str | Path) -> str:
-    """Identifies the weights, not the path: hash of config.json plus every weight file's name, size and mtime
-    (and the safetensors index). A retrained or rebuilt target in the same directory gets a new fingerprint;
-    hashing the weights' bytes would cost minutes for a 27B model. Non-local targets (hub ids, URLs) hash to
-    their name."""
+# hashed whole (small): what decides the prompts and answers besides the weights
+CONTENT_FILES = frozenset({"config.json", "chat_template.jinja", "chat_template.json", "tokenizer_config.json",
+                           "tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json",
+                           "added_tokens.json", "tiktoken.model"})
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def fingerprint(model_dir: str | Path, weights: bool = True) -> str:
+    """Identifies the target, not the path: hash of config.json, the chat template and tokenizer files, plus
+    (weights=True) every weight file's name, size and mtime and the safetensors index. A target retrained,
+    rebuilt or re-templated in the same directory gets a new fingerprint; hashing the weights' bytes would cost
+    minutes for a 27B model. weights=False: what tokenization depends on. Non-local targets (hub ids, URLs)
+    hash to their name."""
     model_dir = Path(model_dir)
     h = hashlib.sha256()
     if not model_dir.is_dir():
         h.update(str(model_dir).encode())
         return h.hexdigest()[:16]
     for p in sorted(model_dir.iterdir()):
-        if p.name == "config.json" or p.name.endswith((".index.json", "generation_config.json")):
+        if p.name in CONTENT_FILES or (weights and p.name.endswith((".index.json", "generation_config.json"))):
             h.update(p.name.encode() + b"\0" + p.read_bytes())
-        elif p.suffix in (".safetensors", ".bin", ".pt", ".gguf"):
+        elif weights and p.suffix in WEIGHT_SUFFIXES:
             st = p.stat()
             h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]

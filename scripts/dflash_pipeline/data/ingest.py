@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from collections import Counter
 
 import pyarrow as pa
@@ -252,8 +253,8 @@ def run(args) -> int:
                             [package_paths.resolve(p) for p in args.exclude_prompts])
     except FileNotFoundError as exc:
         raise PipelineError(f"{args.input}: input file not found ({exc})") from exc
-    print(json.dumps(stats, indent=2))
-    print(console_line(stats, args.quarantine))  # the rule echoes this last line to the console
+    print(json.dumps(stats, indent=2), flush=True)  # stdout stays one JSON document
+    print(console_line(stats, args.quarantine), file=sys.stderr)  # the rule echoes this last line to the console
     return 0
 
 
