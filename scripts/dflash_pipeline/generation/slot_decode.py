@@ -20,8 +20,8 @@ Temperature 0 is argmax: the tokens of plain `generate` greedy.
 
 Continuous refill is the engine's mode; length-sorted fixed-width batches (`refill=False`: a pool takes new
 requests only when all its rows are done) stay for the benchmark (benchmarks/generation_engines.py), which measures
-both side by side. On 2 CPU cores with a tiny model refill was 2.8x faster (170 vs 60 tok/s at 32 rows); the H200
-figures are not measured yet (docs/generation.md, "The slot engine").
+both side by side. On an H200 at the SmolLM2-135M shape, 1,024 slots: 28K real answer tok/s, 3.3x `generate` with a
+static compiled cache on the same workload (docs/generation.md, "The slot engine").
 """
 
 from __future__ import annotations
