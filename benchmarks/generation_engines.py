@@ -98,14 +98,14 @@ def run_hf_engine(model, reqs, width, temperature: float):
     return {"wall_s": time.perf_counter() - t0, "steps": steps}
 
 
-def run_slots(model, reqs, width, temperature: float, refill: bool, capture: bool, context: int):
+def run_slots(model, reqs, width, temperature: float, refill: bool, capture: bool, context: int, columns: int = 0):
     from dflash_pipeline.generation.slot_decode import Request, use_slot_attention
     from dflash_pipeline.generation.slot_engine import slot_width
     from dflash_pipeline.generation.slot_pool import SlotScheduler
 
     use_slot_attention(model)  # as SlotEngine loads it; the generate variants get sdpa back (measure())
     cap = max(b for _, b in reqs)
-    sched = SlotScheduler(model, set(), rows=width, width=slot_width(context, cap), context=context, refill=refill,
+    sched = SlotScheduler(model, set(), rows=width, width=columns or slot_width(context, cap), context=context, refill=refill,
                           capture=capture)
     warm = [Request(prompt=p, budget=min(b, 16), seed=10 ** 6 + i, temperature=temperature)
             for i, (p, b) in enumerate(reqs[:width])]
@@ -161,6 +161,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--deadline-s", type=float, default=190.0, help="start no variant after this many seconds")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--slot-width", type=int, default=0, help="the slot engine's cache columns (0: its default)")
+    ap.add_argument("--only", default="", help="run only the variants whose name contains this")
     args = ap.parse_args()
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     n = args.requests or (64 if args.tiny else 4096)
@@ -169,6 +171,8 @@ def main() -> None:
     capture = device == "cuda"
     begin, rows = time.perf_counter(), []
     for name, width, count, kind, refill in variants(args.tiny, n):
+        if args.only not in name:
+            continue
         if time.perf_counter() - begin > args.deadline_s:
             rows.append({"engine": name, "width": width, "skipped": "deadline"})
             continue
@@ -178,7 +182,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         try:
             if kind == "slots":
-                res = run_slots(model, part, width, args.temperature, refill, capture, 2048)
+                res = run_slots(model, part, width, args.temperature, refill, capture, 2048, args.slot_width)
             else:
                 res = measure(model, kind, part, width, args, capture)
         except Exception as exc:  # one variant failing must not lose the others
