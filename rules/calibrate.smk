@@ -77,3 +77,43 @@ checkpoint generation_gate:
 
 localrules:
     generation_gate,
+
+
+# cost.calibrate_rates: extraction and training measured on the run's GPU (planning/calibrate_rates.py) before the
+# plan, which then projects those stages from measured rates and start-ups instead of its cost model. Drawn
+# from the first source shards by name, so that a raw file added later measures nothing again.
+if config["cost"].get("calibrate_rates"):
+
+    rule calibrate_rates:
+        input:
+            tokens=rates_token_files,
+            model=target_model_files(),
+        output:
+            RATES,
+        log:
+            log("calibrate_rates"),
+        benchmark:
+            bench("calibrate_rates")
+        conda:
+            ENV_GPU
+        resources:
+            gpu=max(EXTRACT["gpus"], 1 if TRAIN["gpus"] else 0),
+            runtime=EXTRACT["runtime_min"],
+            mem_mb=EXTRACT["mem_mb"],
+        params:
+            model=lambda wc, input: target_model_dir(input.model),
+            target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
+            settings=rates_settings(),
+            extract=extract_settings(),
+            shards_per_job=EXTRACT["shards_per_job"],
+            tokens=config["cost"].get("calibrate_rates_tokens", 131072),
+            steps=config["cost"].get("calibrate_rates_train_steps", 8),
+        shell:
+            # the figures go to the terminal as well; the scratch directory is removed by the stage
+            'work=$(mktemp -d "${{TMPDIR:-/tmp}}/dflash-rates.XXXXXX") && '
+            "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline calibrate-rates "
+            "--tokens {input.tokens:q} --model {params.model:q} --extract-settings {params.extract:q} "
+            '--train-settings "$DFLASH_RATES_TRAIN_SETTINGS" --shards-per-job {params.shards_per_job} '
+            "--measure-tokens {params.tokens} --warmup-tokens $(({params.tokens} / 4)) "
+            '--train-steps {params.steps} --work-dir "$work" --out {output:q} 2>&1 | tee {log:q}; '
+            "exit ${{PIPESTATUS[0]}}"

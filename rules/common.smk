@@ -214,15 +214,16 @@ def training_dataset():
 # Keys that size a job rather than change its output: kept out of the settings (and out of params), so that
 # moving a run to more GPUs or memory reruns nothing.
 RESOURCE_KEYS = frozenset({"gpus", "nodes", "mem_mb", "runtime_min"})
-# how train and evaluate run on CPU, not what they write: not params either (runtime_settings)
-RUNTIME_ONLY = ("cpu_threads",)
+# how train and evaluate run, not what they write: not params either (runtime_settings). Evaluation's batch and
+# CUDA graphs change how many prompts decode at once, not the tokens (tests/test_batched_decoding.py)
+RUNTIME_ONLY = {"train": ("cpu_threads",), "evaluate": ("cpu_threads", "batch_size", "eager")}
 
 
 def stage_settings(section, keys=None, drop=(), **extra):
     """A config section as the one `--settings` JSON its stage takes, and the rule's one output-changing param:
     `keys` picks keys (default: all but resources, runtime-only knobs and `drop`), `extra` adds or renames."""
     values = config[section] if section else {}
-    skip = RESOURCE_KEYS.union(RUNTIME_ONLY, drop)
+    skip = RESOURCE_KEYS.union(RUNTIME_ONLY.get(section, ()), drop)
     wanted = keys if keys is not None else [k for k in values if k not in skip]
     settings = {k: values[k] for k in wanted if k in values}
     settings.update(extra)
@@ -378,7 +379,7 @@ def generation_runtime_settings():
 
 
 def runtime_settings(section):
-    return {k: config[section][k] for k in RUNTIME_ONLY if config[section].get(k) is not None}
+    return {k: config[section][k] for k in RUNTIME_ONLY[section] if config[section].get(k) is not None}
 
 
 # set (not read) here, in every Snakemake process that parses the workflow, so the jobs it starts inherit them
@@ -531,6 +532,33 @@ def plan_calibration():
 EXTRACT = config["extract"]
 
 
+def extract_settings():
+    """The extract rule's --settings (calibrate-rates measures with the same)."""
+    return stage_settings(
+        "extract",
+        # encode_threads is the rule's threads (not a param: how many threads write it changes no byte);
+        # shards_per_job is the group (its members are the inputs)
+        drop=("assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "encode_threads", "shards_per_job"),
+        drafter_config=drafter_layers_json(),
+        **TRUST,
+    )
+
+
+RATES = os.path.join(R, "calibration/rates.json")
+
+
+def plan_rates():
+    """cost.calibrate_rates: the plan projects extraction and training from rates measured on the run's GPU."""
+    return [RATES] if config["cost"].get("calibrate_rates") else []
+
+
+def rates_token_files(wildcards):
+    """The first cost.calibrate_rates_shards source token shards (by name): enough tokens to measure, and a raw
+    file added later (sorted after them) recalibrates nothing."""
+    shards = sorted(shard_ids())[: config["cost"].get("calibrate_rates_shards", 4)]
+    return expand(os.path.join(R, "tokens/source/{shard}.parquet"), shard=shards)
+
+
 def extraction_group_of(shard):
     """The extraction job of a shard: extract.shards_per_job consecutive shards of one source file."""
     src, k = shard.rsplit("-", 1)
@@ -600,6 +628,41 @@ def train_settings():
         checkpoint_mirror=mirror,
         holdout_fraction=config["evaluate"]["holdout_fraction"],
         **TRUST,
+    )
+
+
+# What decides training's speed, not its outcome: calibrate-rates' params (a new learning rate measures nothing
+# again). The run's whole train settings reach it through the environment, as the runtime settings do.
+TRAIN_RATE_KEYS = (
+    "mode",
+    "num_anchors",
+    "max_length",
+    "batch_size",
+    "grad_accum",
+    "attention",
+    "compile",
+    "head_chunk",
+    "layout",
+    "num_layers",
+    "block_size",
+    "target_layer_ids",
+)
+os.environ["DFLASH_RATES_TRAIN_SETTINGS"] = train_settings()
+
+
+def rates_settings():
+    """calibrate-rates' one param: the extract settings, the speed-deciding train settings and its own."""
+    train = json.loads(train_settings())
+    cost = config["cost"]
+    return json.dumps(
+        {
+            "extract": json.loads(extract_settings()),
+            "shards_per_job": EXTRACT["shards_per_job"],
+            "train": {k: train.get(k) for k in TRAIN_RATE_KEYS},
+            "tokens": cost.get("calibrate_rates_tokens", 131072),
+            "train_steps": cost.get("calibrate_rates_train_steps", 8),
+        },
+        sort_keys=True,
     )
 
 

@@ -37,6 +37,7 @@ checkpoint plan:
         tokens=lambda wc: expand(os.path.join(R, "tokens/source/{shard}.parquet"), shard=shard_ids()),
         model=target_model_files(),
         calibration=plan_calibration(),
+        rates=plan_rates(),
     output:
         text=os.path.join(R, "plan.txt"),
         json=os.path.join(R, "plan.json"),
@@ -49,10 +50,11 @@ checkpoint plan:
         target=TOKENIZER_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         config=PLAN_CONFIG,
         stats=os.path.join(R, "hidden/*.stats.json"),
+        rates=lambda wc, input: f"--rates {shlex.quote(input.rates[0])}" if input.rates else "",
     shell:
         # printed to the terminal as well: this is what the user must read before the GPUs start
         "dflash-pipeline plan --tokens {input.tokens:q} --model {params.model:q} --config {params.config:q} "
-        "--hidden-stats {params.stats:q} --calibration {input.calibration:q} --out {output.text:q} "
+        "--hidden-stats {params.stats:q} --calibration {input.calibration:q} {params.rates} --out {output.text:q} "
         "--json {output.json:q} 2>&1 | tee {log:q}; "
         "exit ${{PIPESTATUS[0]}}"
 
@@ -92,14 +94,7 @@ rule extract:
         stats=lambda wc, output: [
             os.path.join(output[0] + ".partial", f"{s}.stats.json") for s in extraction_group_members(wc.exgroup)
         ],
-        settings=stage_settings(
-            "extract",
-            # encode_threads is the rule's threads (not a param: how many threads write it changes no byte);
-            # shards_per_job is the group (its members are the inputs)
-            drop=("assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "encode_threads", "shards_per_job"),
-            drafter_config=drafter_layers_json(),
-            **TRUST,
-        ),
+        settings=extract_settings(),
     shell:
         # a killed job leaves {params.partial} (finished shards, {shard}.dfhs.partial + .journal): the rerun
         # resumes from them; only a complete group is renamed into place

@@ -100,7 +100,7 @@ change_operational = config_change(
     "generate:\n  progress_interval_s: 3\n  request_timeout_s: 60\n  all_down_timeout_s: 30\n  max_retries: 2\n"
     "  empty_retries: 3\n  retry_failed: false\n  journal_flush_every: 4\n"
     "  servers: ['http://127.0.0.1:30000']\n  hf:\n    threads: 1\nextract:\n  encode_threads: 1\ntrain:\n  cpu_threads: 2\n"
-    "evaluate:\n  cpu_threads: 2\n")
+    "evaluate:\n  cpu_threads: 2\n  batch_size: 3\n  eager: true\n")
 
 
 # (what you change, what reruns, the change): the README table's rows, in its order
@@ -114,8 +114,8 @@ TABLE = [
      change_one_record),
     ("an audit report, gate or the plan rewritten with the same verdict", "the gates, the generation gate and "
      "the report (seconds of CPU); no per-shard job", rewrite_verdicts),
-    ("a `train:` setting (here `lr`)", "train, export, evaluate, report (`epochs` and `mode` also re-plan: the "
-     "plan projects training hours)", change_train),
+    ("a `train:` setting (here `lr`)", "train, export, evaluate, report (`epochs`, `mode`, `num_anchors` and "
+     "`max_length` also re-plan: the plan projects training hours)", change_train),
     ("an `extract:` setting that changes the bytes (here `codec`)", "the plan, every extract, then train "
      "onwards; no generation", change_extract_codec),
     ("`generate.max_new_tokens`", "the calibration, the plan and its gate, every generate and what follows; "
@@ -124,7 +124,7 @@ TABLE = [
      "only the run's report (its GPU-hours); no stage (`generate.gpus` also re-plans: the plan's GPU-hours)",
      change_resources),
     ("an operational knob: progress interval, timeouts, retries, journal flush, the list of running servers, "
-     "CPU threads (hf generation, encode, train, evaluate)", "nothing", change_operational),
+     "CPU threads (hf generation, encode, train, evaluate), evaluation batch and CUDA graphs", "nothing", change_operational),
 ]
 
 

@@ -151,6 +151,7 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
     plan = planned(proc)
     # the regenerated dataset's audit and gate join the plan once the source gate (a checkpoint) has run
     expect = {"shard": n, "tokenize": 2 * n, "audit": 1, "gate": 1, "calibration_sample": 1, "calibrate": 1,
+              "calibrate_rates": 1,
               "plan": 1, "generation_gate": 1, "generate_group": files, "completions_from_group": n,
               "extract": groups, "hidden_from_group": n, "train": 1, "export": 1, "evaluate": 1, "evaluate_gate": 1, "run_report": 1, "all": 1}
     assert plan == expect, plan

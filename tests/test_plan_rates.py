@@ -1,15 +1,14 @@
 """The plan's GPU rates: a measured rate is used and labelled measured; the cost model on a tiny shape; the
-projection adds every job's start-up; calibrate-rates measures through the stages' own code (CPU, tiny target)."""
+projection adds every job's start-up; calibrate-rates measures through the stages' own code, as a workflow job
+before the plan (CPU, tiny target)."""
 
 from __future__ import annotations
 
 import json
+import re
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
+import pytest
 
-from conftest import run_cli
 from dflash_pipeline.planning.plan import make_plan, render
 from dflash_pipeline.planning.rates import (
     ASSUMED, modelled_extract, modelled_train, stage_time, train_flops_per_position, trained_positions_per_token,
@@ -56,25 +55,29 @@ def test_measured_rates_are_used_and_labelled():
     assert "ASSUMED (cost model" in render(modelled, SHAPE, [0, 1])
 
 
-def test_calibrate_rates_measures_extract_and_train_on_cpu(tiny_target, tmp_path):
-    rng = np.random.default_rng(0)
-    rows = {k: [] for k in ("sample_id", "input_ids", "loss_mask", "length", "num_loss_tokens", "truncated")}
-    for i in range(40):
-        n = int(rng.integers(20, 80))
-        rows["sample_id"].append(f"s-{i}")
-        rows["input_ids"].append(rng.integers(0, 1000, n).tolist())
-        rows["loss_mask"].append([0] * (n // 2) + [1] * (n - n // 2))
-        rows["length"].append(n)
-        rows["num_loss_tokens"].append(n - n // 2)
-        rows["truncated"].append(False)
-    pq.write_table(pa.table(rows), tmp_path / "t-00000.parquet")
-    train = {"device": "cpu", "batch_size": 2, "max_length": 128, "num_anchors": 4, "num_layers": 2,
-             "target_layer_ids": "1,3"}
-    run_cli("calibrate-rates", "--tokens", tmp_path / "t-00000.parquet", "--model", tiny_target,
-            "--extract-settings", json.dumps({"device": "cpu", "target_layer_ids": "1,3"}),
-            "--train-settings", json.dumps(train), "--measure-tokens", 800, "--warmup-tokens", 200,
-            "--train-steps", 2, "--work-dir", tmp_path / "work", "--out", tmp_path / "rates.json")
-    rates = json.loads((tmp_path / "rates.json").read_text())
-    assert rates["device"] == "cpu" and not (tmp_path / "work").exists()
-    assert rates["extract"]["tok_s"] > 0 and rates["extract"]["tokens"] >= 800 and rates["extract"]["startup_s"] > 0
+@pytest.mark.slow
+def test_calibrate_rates_runs_before_the_plan_through_the_workflow(tmp_path):
+    """cost.calibrate_rates through the real Snakefile (tiny config, CPU): the rates job measures extraction and
+    training with the run's settings, the plan projects both from them ("measured"), and a new learning rate
+    (training's outcome, not its speed) measures nothing again while a new batch size does."""
+    from workflow_runs import make_workdir, snakemake
+
+    work = make_workdir(tmp_path / "w")
+    (work / "rates.yaml").write_text("cost:\n  calibrate_rates: true\n  calibrate_rates_tokens: 2048\n"
+                                     "  calibrate_rates_train_steps: 2\n")
+    configs = ("tiny.yaml", "rates.yaml")
+    snakemake(work, "results/plan.json", "--cores", "2", configfiles=configs)
+    rates = json.loads((work / "results/calibration/rates.json").read_text())
+    assert rates["device"] == "cpu"
+    assert rates["extract"]["tok_s"] > 0 and rates["extract"]["tokens"] > 0 and rates["extract"]["startup_s"] > 0
     assert rates["train"]["tok_s"] > 0 and rates["train"]["steps"] == 4 and "left out" in rates["train"]["how"]
+    plan = (work / "results/plan.txt").read_text()
+    assert "at {:,.0f} tok/s (measured on cpu".format(rates["extract"]["tok_s"]) in plan, plan
+    assert "at {:,.0f} tok/s (measured on cpu".format(rates["train"]["tok_s"]) in plan, plan
+
+    (work / "lr.yaml").write_text("train:\n  lr: 0.001\n")
+    out = snakemake(work, "-n", "results/plan.json", configfiles=(*configs, "lr.yaml"))
+    assert "Nothing to be done" in out.stdout + out.stderr, (out.stdout + out.stderr)[-2000:]
+    (work / "batch.yaml").write_text("train:\n  batch_size: 3\n")
+    out = snakemake(work, "-n", "results/plan.json", configfiles=(*configs, "batch.yaml"))
+    assert re.search(r"^calibrate_rates\s+1$", out.stdout + out.stderr, flags=re.M), (out.stdout + out.stderr)[-2000:]
