@@ -112,6 +112,9 @@ def run_slots(model, reqs, width, temperature: float, refill: bool, capture: boo
     with torch.inference_mode():
         sched.run(warm)  # graph capture and first kernels, not measured
         steps0 = sched.main.step_count + (sched.wide.step_count if sched.wide else 0)
+        warm_pools = [sched.main] + ([sched.wide] if sched.wide else [])
+        row_steps0 = sum(p.row_steps for p in warm_pools)
+        slot_steps0 = sum(p.step_count * p.rows for p in warm_pools)
         sync(model)
         t0 = time.perf_counter()
         todo = [Request(prompt=p, budget=b, seed=i, temperature=temperature) for i, (p, b) in enumerate(reqs)]
@@ -120,7 +123,11 @@ def run_slots(model, reqs, width, temperature: float, refill: bool, capture: boo
     wall = time.perf_counter() - t0
     assert sorted(len(r.tokens) for r in done) == sorted(b for _, b in reqs)
     steps = sched.main.step_count + (sched.wide.step_count if sched.wide else 0) - steps0
-    return {"wall_s": wall, "steps": steps, "slot_width": sched.main.width, "shifts": sched.main.shifts,
+    pools = [sched.main] + ([sched.wide] if sched.wide else [])
+    occupancy = (sum(p.row_steps for p in pools) - row_steps0) / max(1, sum(p.step_count * p.rows for p in pools)
+                                                                     - slot_steps0)
+    return {"wall_s": wall, "steps": steps, "occupancy": round(occupancy, 3), "slot_width": sched.main.width,
+            "shifts": sched.main.shifts,
             "wide_requests": sum(1 for p, b in reqs if len(p) + b > sched.main.width)}
 
 
@@ -219,6 +226,8 @@ def table(rows, device, args) -> str:
             continue
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         note = f"  (first call {r['first_call_s']} s)" if "first_call_s" in r else ""
+        if "occupancy" in r:  # live rows over slots, summed over the steps: the tail and refills cost this
+            note += f"  (occupancy {r['occupancy']:.0%}, {r['slot_width']} columns, {r['wide_requests']} wide)"
         lines.append(f"{r['engine']:32} {r['width']:>6} {r['requests']:>8} {r['tok_s']:>9,.0f} {r['wall_s']:>7.1f} "
                      f"{r['step_ms']:>8.2f} {peak:>8}{note}")
     return "\n".join(lines)

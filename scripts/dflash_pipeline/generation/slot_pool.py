@@ -52,6 +52,7 @@ class SlotPool:
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.pool_handle = None
         self.step_count = 0
+        self.row_steps = 0  # live rows summed over steps
         self.shifts = 0  # compactions and right shifts: each copies the whole cache
 
     # -- occupancy -------------------------------------------------------------------------------------
@@ -236,6 +237,7 @@ class SlotPool:
             self._body(self.warp)
         self.t += 1
         self.step_count += 1
+        self.row_steps += int(self.live.sum())  # occupancy: answer tokens a step over rows
         self.steps_host[self.live] += 1
 
     def harvest(self) -> list[Request]:
@@ -300,10 +302,12 @@ class SlotScheduler:
         """Admit, decode one step and harvest, in each pool with work; the requests that finished."""
         done = self._serve(self.main, self.waiting["main"], self.refill)
         wide_wait = self.waiting["wide"]
-        main_idle = not self.waiting["main"] and self.main.active == 0
+        # the wide pool starts when it can fill its rows, or once nothing waits for the main pool: then it runs
+        # beside the main pool's tail (sparse rows, an idle GPU) instead of after it, refilled like the main one
+        main_tail = not self.waiting["main"]
         if self.wide is not None and (self.wide.active or len(wide_wait) >= self.wide.rows
-                                      or (wide_wait and main_idle)):
-            done += self._serve(self.wide, wide_wait, False)
+                                      or (wide_wait and main_tail)):
+            done += self._serve(self.wide, wide_wait, self.refill)
         return done
 
     def _serve(self, pool: SlotPool, waiting: collections.deque, refill: bool) -> list[Request]:
