@@ -58,7 +58,8 @@ def test_json_array_roles_and_quarantine(tmp_path):
     assert (stats["records_read"], stats["kept"], stats["quarantined"]) == (8, 3, 5)
     roles = [m["role"] for m in rows[1]["messages"]]
     assert roles == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
-    assert rows[2]["messages"][1] == {"role": "assistant", "content": "A", "reasoning_content": None}
+    assert rows[2]["messages"][1] == {"role": "assistant", "content": "A", "reasoning_content": None,
+                                      "tool_calls": None, "tool_call_id": None, "name": None}
     assert rows[0]["source"].endswith("#0") and rows[0]["source_id"] == "r0"
     by_id = {q["record_index"]: q["reason"] for q in quarantine}
     assert "unknown role 'robot'" in by_id[3]

@@ -1,8 +1,16 @@
 """The normalized conversation: what every stage after ingest reads.
 
-A sample is `{"sample_id", "source", "source_id", "messages": [{"role", "content", "reasoning_content"}]}`
-with role in {system, user, assistant}; `reasoning_content` is the assistant's thinking (None if absent).
+A sample is `{"sample_id", "source", "source_id", "messages": [MESSAGE], "tools"}` with MESSAGE
+`{"role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name"}` and role in
+{system, user, assistant, tool}. `reasoning_content` is the assistant's thinking (None if absent).
+Tool calling (OpenAI's shape, stored as JSON text so the Parquet schema stays fixed whatever the tools are):
+- assistant `tool_calls`: a list of `{"id", "type": "function", "function": {"name", "arguments"}}` with
+  `arguments` a parsed JSON object (never a string); None when the turn calls nothing;
+- role `tool`: the result of the call `tool_call_id`, of the tool `name`;
+- sample `tools`: the record's tool schemas, `[{"type": "function", "function": {"name", "description",
+  "parameters"}}]`, None when the record has none.
 Ingested shards and completion shards share this Parquet schema (completions add generation columns).
+Shards written before tool calling lack these columns and fields: `with_sample_columns` reads them as null.
 """
 
 from __future__ import annotations
@@ -28,8 +36,11 @@ ROLE_MAP = {
 }
 
 MESSAGE_TYPE = pa.struct(
-    [("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())]
+    [("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string()),
+     ("tool_calls", pa.string()), ("tool_call_id", pa.string()), ("name", pa.string())]
 )
+TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
+ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 SAMPLE_SCHEMA = pa.schema(
     [
@@ -37,6 +48,7 @@ SAMPLE_SCHEMA = pa.schema(
         ("source", pa.string()),
         ("source_id", pa.string()),
         ("messages", pa.list_(MESSAGE_TYPE)),
+        ("tools", pa.string()),
     ]
 )
 
@@ -91,18 +103,62 @@ def _nfc(text: str | None) -> str | None:
     return text if text is None or text.isascii() else unicodedata.normalize("NFC", text)
 
 
-def sample_id(messages: list[dict]) -> str:
-    """Stable content hash of the normalized messages: same conversation, same id, in any file.
+def _hashed_message(m: dict) -> list:
+    row = [m["role"], _nfc(m["content"]), _nfc(m.get("reasoning_content"))]
+    extra = [m.get(k) for k in TOOL_FIELDS]
+    if any(x is not None for x in extra):  # chat-only messages hash exactly as before tool calling existed
+        row += [_nfc(x) for x in extra]
+    return row
+
+
+def sample_id(messages: list[dict], tools: str | None = None) -> str:
+    """Stable content hash of the normalized messages (and the sample's `tools` JSON text, if any): same
+    conversation, same id, in any file. A chat-only sample keeps the id it had before tool calling existed.
 
     The text is hashed in Unicode NFC, so the composed and decomposed spellings of one text ("é" as one code
     point or as "e" + combining accent) are one sample: the Qwen tokenizers normalise to NFC before encoding,
     so both would train the same tokens twice. The stored text is kept as it came."""
-    canonical = json.dumps(
-        [[m["role"], _nfc(m["content"]), _nfc(m.get("reasoning_content"))] for m in messages],
-        ensure_ascii=False,
-        separators=(",", ":"),
-    )
+    rows = [_hashed_message(m) for m in messages]
+    canonical = json.dumps(rows if tools is None else {"messages": rows, "tools": _nfc(tools)},
+                           ensure_ascii=False, separators=(",", ":"))
     return hashlib.blake2b(canonical.encode("utf-8"), digest_size=12).hexdigest()
+
+
+def tool_calls_of(msg: dict) -> list[dict]:
+    """The message's tool calls as a list of dicts (stored as JSON text; [] when it calls nothing)."""
+    calls = msg.get("tool_calls")
+    if calls is None:
+        return []
+    return json.loads(calls) if isinstance(calls, str) else list(calls)
+
+
+def message_for_template(msg: dict) -> dict:
+    """A stored message as a chat template's `messages` entry: None-valued keys dropped (templates test
+    `reasoning_content is defined` the way HF callers pass it), `tool_calls` as a list of dicts whose
+    `function.arguments` is a dict; a tool result keeps `tool_call_id` and `name`."""
+    out = {k: v for k, v in msg.items() if v is not None}
+    if "tool_calls" in out:
+        out["tool_calls"] = tool_calls_of(out)
+    return out
+
+
+def sample_tools(sample: dict) -> list | None:
+    """The sample's tool schemas as a list (what a template's `tools=` takes), or None without tools."""
+    tools = sample.get("tools")
+    if tools is None:
+        return None
+    return json.loads(tools) if isinstance(tools, str) else list(tools)
+
+
+def with_sample_columns(table: pa.Table) -> pa.Table:
+    """`table` with SAMPLE_SCHEMA's columns and message fields: a shard written before tool calling (no
+    `tools` column, three message fields) reads as one whose tool fields are null. Other columns stay."""
+    if "tools" not in table.column_names:
+        table = table.append_column("tools", pa.nulls(table.num_rows, pa.string()))
+    at = table.column_names.index("messages")
+    if table.schema.field("messages").type != SAMPLE_SCHEMA.field("messages").type:
+        table = table.set_column(at, "messages", table.column("messages").cast(SAMPLE_SCHEMA.field("messages").type))
+    return table
 
 
 def check_conversation_table(path: str, table: pa.Table) -> None:

@@ -42,9 +42,9 @@ class _RecordsWriter:
         self.writer = pq.ParquetWriter(path, RECORDS_SCHEMA, compression="zstd")
         self.rows = {f.name: [] for f in RECORDS_SCHEMA}
 
-    def add(self, name: str, rec: RawRecord, source_id, messages, sid: str) -> None:
+    def add(self, name: str, rec: RawRecord, source_id, messages, sid: str, tools: str | None = None) -> None:
         for key, value in (("sample_id", sid), ("source", f"{name}#{rec.index}"), ("source_id", source_id),
-                           ("messages", messages), ("record_index", rec.index)):
+                           ("messages", messages), ("tools", tools), ("record_index", rec.index)):
             self.rows[key].append(value)
         if len(self.rows["sample_id"]) >= ROW_GROUP:
             self.flush()

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dflash_pipeline.data.conversations import SAMPLE_SCHEMA
+from dflash_pipeline.data.conversations import SAMPLE_SCHEMA, with_sample_columns
 from dflash_pipeline.data.dedup import Deduplicator
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.storage import atomic_path, read_json, write_json
@@ -146,7 +146,7 @@ def write_shard(records_path: str, spec: dict, out: str) -> int:
     if table.num_rows != spec["samples"]:
         raise PipelineError(f"{records_path}: shard {spec['shard']} expects {spec['samples']} samples, "
                            f"found {table.num_rows}: the manifest is stale, rerun the manifest stage")
-    table = table.select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA)
+    table = with_sample_columns(table).select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA)  # records from before tools
     if pc.count_distinct(table.column("sample_id")).as_py() != table.num_rows:
         raise PipelineError(f"shard {spec['shard']}: duplicate sample ids survived deduplication: the manifest "
                             f"is stale, rerun the manifest stage")
