@@ -647,7 +647,7 @@ TRAIN_RATE_KEYS = (
     "block_size",
     "target_layer_ids",
 )
-os.environ["DFLASH_RATES_TRAIN_SETTINGS"] = train_settings()
+os.environ.update(DFLASH_RATES_TRAIN_SETTINGS=train_settings())
 
 
 def rates_settings():

@@ -88,7 +88,9 @@ def test_report_collects_every_stage(done_run):
     for section in ("Cost: stage wall time (Snakemake benchmarks)", "Data: generation", "Data: training"):
         assert section in heads, (section, heads)
     # readable on its own (tests/test_report_summary.py has the details): figures embedded, no reprs in cells
-    assert summary.count("src='data:image/png;base64,") == 4 and "{&quot;" not in summary and "<td>{" not in summary
+    figures = re.findall(r"<img alt='(.*?)' src='data:image/png;base64,", summary)
+    assert figures == ["tau", "acceptance per block position", "Generation", "Extraction", "Training"], figures
+    assert "{&quot;" not in summary and "<td>{" not in summary
     assert "not comparable" in summary  # the plan's GPU rates against this CPU run
     assert planned(snakemake(done_run, "-n")) == {}
 
