@@ -33,6 +33,10 @@ ROLE_MAP = {
     "assistant": "assistant",
     "model": "assistant",
     "system": "system",
+    "tool": "tool",
+    "function": "tool",  # OpenAI's legacy role for a function's result
+    "observation": "tool",  # ShareGPT / LLaMA-Factory: a tool's result
+    "function_call": "assistant",  # ShareGPT / LLaMA-Factory: the value is the call (data/tool_turns.py)
 }
 
 MESSAGE_TYPE = pa.struct(
@@ -57,9 +61,11 @@ class RecordRejected(ValueError):
     """A record that is quarantined; the message is the reason."""
 
 
-def normalize_record(record) -> tuple[str | None, list[dict]]:
-    """(original id, normalized messages) of a ShareGPT (`conversations`), OpenAI (`messages`) or LMSYS/WildChat
-    (`conversation`) record, or RecordRejected."""
+def normalize_record(record) -> tuple[str | None, list[dict], str | None]:
+    """(original id, normalized messages, tools JSON text or None) of a ShareGPT (`conversations`), OpenAI
+    (`messages`) or LMSYS/WildChat (`conversation`) record, or RecordRejected. Tool calls: data/tool_turns.py."""
+    from dflash_pipeline.data.tool_turns import ToolCalls, parse_tools
+
     if not isinstance(record, dict):
         raise RecordRejected(f"record is a {type(record).__name__}, not an object")
     if "conversations" in record:
@@ -74,29 +80,51 @@ def normalize_record(record) -> tuple[str | None, list[dict]]:
         raise RecordRejected(f"conversation is a {type(turns).__name__}, not a list")
     if not turns:
         raise RecordRejected("empty conversation")
-    messages = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise RecordRejected(f"turn {i} is a {type(turn).__name__}, not an object")
-        raw_role = turn.get(role_key, turn.get("role", turn.get("from")))
-        if not isinstance(raw_role, str):
-            raise RecordRejected(f"turn {i} has no role")
-        role = ROLE_MAP.get(raw_role.strip().lower())
-        if role is None:
-            raise RecordRejected(f"turn {i} has unknown role {raw_role!r}")
-        text = turn.get(text_key, turn.get("content", turn.get("value")))
-        if not isinstance(text, str):
-            raise RecordRejected(f"turn {i} ({raw_role}) has no text (got {type(text).__name__})")
-        reasoning = turn.get("reasoning_content")
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise RecordRejected(f"turn {i} has a non-string reasoning_content")
-        if role == "system" and i != 0:
-            raise RecordRejected(f"system turn at position {i}; only the first turn may be a system prompt")
-        messages.append({"role": role, "content": text, "reasoning_content": reasoning})
+    tools = parse_tools(record.get("tools"))
+    calls = ToolCalls(tools)
+    messages = [_normalize_turn(turn, i, role_key, text_key, calls) for i, turn in enumerate(turns)]
     if not any(m["role"] == "user" for m in messages):
         raise RecordRejected("no user turn")
     raw_id = record.get("id", record.get("conversation_id"))
-    return (None if raw_id is None else str(raw_id)), messages
+    tools_text = None if tools is None else json.dumps(tools, ensure_ascii=False)
+    return (None if raw_id is None else str(raw_id)), messages, tools_text
+
+
+def _normalize_turn(turn, i: int, role_key: str, text_key: str, calls) -> dict:
+    from dflash_pipeline.data.tool_turns import tool_result_text
+
+    if not isinstance(turn, dict):
+        raise RecordRejected(f"turn {i} is a {type(turn).__name__}, not an object")
+    raw_role = turn.get(role_key, turn.get("role", turn.get("from")))
+    if not isinstance(raw_role, str):
+        raise RecordRejected(f"turn {i} has no role")
+    role = ROLE_MAP.get(raw_role.strip().lower())
+    if role is None:
+        raise RecordRejected(f"turn {i} has unknown role {raw_role!r}")
+    text = turn.get(text_key, turn.get("content", turn.get("value")))
+    message = {"role": role, "content": text, "reasoning_content": turn.get("reasoning_content")}
+    if raw_role.strip().lower() == "function_call":  # ShareGPT: the value is the call itself
+        message["content"], message["tool_calls"] = "", calls.from_function_call(text, i)
+    elif role == "assistant" and (_calls_something(turn) or isinstance(turn.get("function_call"), dict)):
+        # a legacy OpenAI `function_call` object is one call
+        raw = turn["tool_calls"] if _calls_something(turn) else [{"function": turn["function_call"]}]
+        message["tool_calls"] = calls.from_openai(raw, i)
+        message["content"] = "" if text is None else text
+    elif role == "tool":
+        message["content"] = tool_result_text(text)
+        message["tool_call_id"], message["name"] = calls.answer(turn.get("tool_call_id"), turn.get("name"), i)
+    if not isinstance(message["content"], str):
+        raise RecordRejected(f"turn {i} ({raw_role}) has no text (got {type(text).__name__})")
+    if message["reasoning_content"] is not None and not isinstance(message["reasoning_content"], str):
+        raise RecordRejected(f"turn {i} has a non-string reasoning_content")
+    if role == "system" and i != 0:
+        raise RecordRejected(f"system turn at position {i}; only the first turn may be a system prompt")
+    return message
+
+
+def _calls_something(turn: dict) -> bool:
+    """The turn carries `tool_calls` (API exports write `tool_calls: []` or null on turns that call nothing)."""
+    return turn.get("tool_calls") not in (None, [])
 
 
 def _nfc(text: str | None) -> str | None:

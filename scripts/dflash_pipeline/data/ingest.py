@@ -22,9 +22,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline import package_paths
-from dflash_pipeline.data.conversations import SAMPLE_SCHEMA, RecordRejected, normalize_record, sample_id
+from dflash_pipeline.data.conversations import (SAMPLE_SCHEMA, RecordRejected, normalize_record, sample_id,
+                                                tool_calls_of)
 from dflash_pipeline.data.eval_prompts import excluded_prompts, first_user_turn, normalise
 from dflash_pipeline.data.raw_records import RawRecord, ReadResult, iter_raw_records, safe_text
+from dflash_pipeline.data.tool_turns import TOOL_REASON_KINDS
 from dflash_pipeline.errors import CorruptInputError, PipelineError
 from dflash_pipeline.storage import atomic_open, atomic_path, write_json
 
@@ -76,19 +78,19 @@ def _json_line(obj) -> str:
     return line + "\n"
 
 
-def _accept(rec: RawRecord) -> tuple[str | None, list[dict], str]:
-    """(source id, messages, sample id) of a record, or RecordRejected with the reason."""
+def _accept(rec: RawRecord) -> tuple[str | None, list[dict], str, str | None]:
+    """(source id, messages, sample id, tools) of a record, or RecordRejected with the reason."""
     if rec.error:
         raise RecordRejected(rec.error)
-    source_id, messages = normalize_record(rec.value)
+    source_id, messages, tools = normalize_record(rec.value)
     try:
-        sid = sample_id(messages)
+        sid = sample_id(messages, tools)
         if source_id is not None:
             source_id.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise RecordRejected(f"text is not valid Unicode (a lone surrogate {exc.object[exc.start:exc.end]!r} "
                              f"at character {exc.start})") from None
-    return source_id, messages, sid
+    return source_id, messages, sid, tools
 
 
 def _quarantine_entry(name: str, rec: RawRecord, reason: str) -> str:
@@ -120,7 +122,7 @@ def _read_file(path, name, max_record_bytes, writer, qfh, result, max_records: i
             break
         counts["read"] += 1
         try:
-            source_id, messages, sid = _accept(rec)
+            source_id, messages, sid, tools = _accept(rec)
         except RecordRejected as exc:
             counts["quarantined"] += 1
             counts["reason:" + _reason_kind(str(exc))] += 1
@@ -134,7 +136,10 @@ def _read_file(path, name, max_record_bytes, writer, qfh, result, max_records: i
                     dropped.append({"record_index": rec.index, "sample_id": sid, "evaluation_prompt": hit})
                 continue
         counts["kept"] += 1
-        writer.add(name, rec, source_id, messages, sid)
+        calls = sum(len(tool_calls_of(m)) for m in messages)
+        counts["tool_call_samples"] += calls > 0
+        counts["tool_calls"] += calls
+        writer.add(name, rec, source_id, messages, sid, tools)
     return counts
 
 
@@ -210,6 +215,9 @@ def _stats(name: str, result: ReadResult, counts: Counter) -> dict:
             "note": DAMAGE_NOTES[damage.kind],
         },
         "damaged_spans": [{"byte_range": [s.offset, s.end], "reason": s.reason} for s in result.spans],
+        # kept samples that call tools, their calls, and records quarantined for a malformed call or tools list
+        "tool_calls": {"samples": counts["tool_call_samples"], "calls": counts["tool_calls"],
+                       "malformed_quarantined": sum(reasons[k] for k in TOOL_REASON_KINDS)},
     }
 
 
@@ -221,11 +229,12 @@ DAMAGE_NOTES = {
 
 
 def _reason_kind(reason: str) -> str:
-    """Group reasons for counting: 'turn 3 has unknown role 'tool'' -> 'unknown role'."""
-    for kind in ("over max_record_bytes", "invalid UTF-8", "not valid Unicode", "unknown role", "invalid JSON",
-                 "no text", "no role", "empty conversation", "no user turn", "system turn",
-                 "no 'conversations', 'messages' or 'conversation' field", "not an object", "not a list",
-                 "reasoning_content"):
+    """Group reasons for counting: 'turn 3 has unknown role 'robot'' -> 'unknown role'."""
+    for kind in TOOL_REASON_KINDS + (
+            "over max_record_bytes", "invalid UTF-8", "not valid Unicode", "unknown role", "invalid JSON",
+            "no text", "no role", "empty conversation", "no user turn", "system turn",
+            "no 'conversations', 'messages' or 'conversation' field", "not an object", "not a list",
+            "reasoning_content"):
         if kind in reason:
             return kind
     return reason

@@ -104,7 +104,8 @@ def write_demo(out_dir: str | Path, n_records: int = 360, placeholder_rate: floa
             fh.write("\n".join(lines) + "\n")
 
     lines = [json.dumps(_openai(t, f"p3-{i}"), ensure_ascii=False) for i, t in enumerate(convs[2 * per_file:])]
-    lines.append(json.dumps(_openai([("user", "Hi"), ("tool", "{}")], "bad-tool-role")))
+    # quarantined: a tool's result that answers no call (well-formed tool calling is accepted)
+    lines.append(json.dumps(_openai([("user", "Hi"), ("tool", "{}")], "tool-result-without-call")))
     lines.append(json.dumps(part1[0]))  # same conversation as part 1, other file: a cross-file duplicate
     with atomic_path(out / "openai_part3.jsonl.zst") as tmp:
         tmp.write_bytes(zstandard.ZstdCompressor(level=3).compress(("\n".join(lines) + "\n").encode("utf-8")))
