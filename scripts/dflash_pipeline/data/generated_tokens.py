@@ -46,12 +46,15 @@ def sample_from_ids(prompt_ids: list[int], output_ids: list[list[int]], closing_
                         truncated=truncated, closing_found=closing_found)
 
 
-def encode_conversations(masker, conversations: list[list[dict]], token_ids: list | None) -> list[MaskedSample]:
-    """Samples for a batch: from the target's ids where the row has them, else from the rendered text."""
+def encode_conversations(masker, conversations: list[list[dict]], token_ids: list | None,
+                         tools: list | None = None) -> list[MaskedSample]:
+    """Samples for a batch: from the target's ids where the row has them, else from the rendered text
+    (`tools`: per conversation its tool schemas or None, for the template)."""
+    tools = tools or [None] * len(conversations)
     if not token_ids or all(t is None for t in token_ids):
-        return masker.encode(conversations)
+        return masker.encode(conversations, tools)
     closing = masker.tokenizer.encode(masker.closing, add_special_tokens=False) if masker.closing else []
-    by_text = [c for c, t in zip(conversations, token_ids) if t is None]
-    rendered = iter(masker.encode(by_text) if by_text else [])
+    by_text = [(c, tl) for c, t, tl in zip(conversations, token_ids, tools) if t is None]
+    rendered = iter(masker.encode([c for c, _ in by_text], [tl for _, tl in by_text]) if by_text else [])
     return [next(rendered) if t is None else sample_from_ids(t[0], t[1], closing, masker.max_length)
             for t in token_ids]

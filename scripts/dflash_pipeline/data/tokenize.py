@@ -8,7 +8,12 @@ shards, rows whose generation failed are not tokenized; they are counted with th
 Message text that contains the tokenizer's control tokens (`<|im_end|>`, `<|im_start|>`, `<|endoftext|>`:
 special added tokens other than the thinking tags) would be encoded as those very tokens, letting a user
 forge turns. Such samples are left out of the token shard and counted with a reason (`control_tokens` in the
-audit, with examples); the thinking tags stay allowed, they are how inline reasoning is written.
+audit, with examples); the thinking tags stay allowed, they are how inline reasoning is written. Tool calls'
+JSON and the sample's tools are checked the same way.
+
+Tool calling: samples with `tools`, assistant `tool_calls` and tool results render through the template with
+`tools=` (data/chat_masking.py). A target whose template drops any of them cannot train such a sample: it is
+left out and counted with that reason (`tools_unsupported`); chat-only samples are unaffected.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.data.audit_stats import AUDIT_FORMAT, Histogram, answer_hash, answer_key
-from dflash_pipeline.data.conversations import check_conversation_table
+from dflash_pipeline.data.conversations import ROLES, check_conversation_table, sample_tools
 from dflash_pipeline.data.generated_tokens import encode_conversations, token_id_columns
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.progress import Progress
@@ -46,8 +51,7 @@ TOKENS_SCHEMA = pa.schema(
     ]
 )
 COUNTS = ("truncated", "trivial", "no_supervision", "empty_response", "not_ending_with_assistant", "system_prompt",
-          "closing_missing", "control_tokens", "template_error")
-ROLES = frozenset({"system", "user", "assistant"})
+          "closing_missing", "control_tokens", "template_error", "tools_unsupported")
 # what a chat template raises for a record it cannot render (`raise_exception(...)`, an undefined attribute,
 # adding None to a string): that record is left out with the reason, the shard goes on
 TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError)
@@ -74,7 +78,7 @@ def forged_turn(messages: list[dict], pattern: re.Pattern | None, trusted_roles:
     for i, m in enumerate(messages):
         if m["role"] in trusted_roles:
             continue
-        for field in ("content", "reasoning_content"):
+        for field in ("content", "reasoning_content", "tool_calls"):
             hit = pattern.search(m.get(field) or "")
             if hit:
                 return f"message {i} ({m['role']}) {field} contains the control token {hit.group()!r}"
@@ -120,7 +124,7 @@ class ShardAudit:
         c["trivial"] += max(sample.turn_tokens, default=0) <= self.trivial_tokens
         c["no_supervision"] += n_loss == 0
         c["empty_response"] += any(not (m["content"] or "").strip() and not (m.get("reasoning_content") or "").strip()
-                                   for m in assistant)
+                                   and not m.get("tool_calls") for m in assistant)  # a bare call is a response
         c["not_ending_with_assistant"] += messages[-1]["role"] != "assistant"
         c["system_prompt"] += messages[0]["role"] == "system"
         c["closing_missing"] += not sample.closing_found
@@ -160,22 +164,37 @@ def successful_rows(table: pa.Table) -> tuple[pa.Table, Counter]:
     return table.filter(pa.array([st == "ok" for st in status])), failed
 
 
+def _refusal(masker, messages: list[dict], tools: list | None, pattern, trusted_roles) -> tuple[str, str] | None:
+    """(audit count, reason) of a sample that cannot be tokenized safely, or None."""
+    reason = forged_turn(messages, pattern, trusted_roles)
+    if reason is None and tools and pattern is not None:
+        hit = pattern.search(json.dumps(tools, ensure_ascii=False))
+        reason = hit and f"the sample's tools contain the control token {hit.group()!r}"
+    if reason:
+        return "control_tokens", reason
+    reason = masker.tool_refusal(messages, tools)
+    return ("tools_unsupported", reason) if reason else None
+
+
 def _encode_batch(masker, ids: list[str], conversations: list[list[dict]], audit: ShardAudit,
-                  pattern, trusted_roles: frozenset = frozenset(), token_ids: list | None = None) -> pa.Table | None:
-    """One batch of conversations -> token rows; samples with forged control tokens are left out.
-    `token_ids`: per row the target's own (prompt_ids, output_ids) or None (data/generated_tokens.py)."""
+                  pattern, trusted_roles: frozenset = frozenset(), token_ids: list | None = None,
+                  tools: list | None = None) -> pa.Table | None:
+    """One batch of conversations -> token rows; samples with forged control tokens, or with tools the template
+    cannot render, are left out. `token_ids`: per row the target's own (prompt_ids, output_ids) or None
+    (data/generated_tokens.py); `tools`: per row the sample's tool schemas or None."""
     keep = []
-    for sid, messages, ids_row in zip(ids, conversations, token_ids or [None] * len(ids)):
-        reason = forged_turn(messages, pattern, trusted_roles)
-        if reason:
-            audit.reject(sid, reason)
+    for sid, messages, ids_row, row_tools in zip(ids, conversations, token_ids or [None] * len(ids),
+                                                 tools or [None] * len(ids)):
+        refused = _refusal(masker, messages, row_tools, pattern, trusted_roles)
+        if refused:
+            audit.reject(sid, refused[1], refused[0])
         else:
-            keep.append((sid, messages, ids_row))
+            keep.append((sid, messages, ids_row, row_tools))
     keep, samples = _encode_or_reject(masker, keep, audit)
     if not keep:
         return None
     cols = {name: [] for name in TOKENS_SCHEMA.names}
-    for (sid, messages, _), sample in zip(keep, samples):
+    for (sid, messages, _, _), sample in zip(keep, samples):
         audit.add(messages, sample)
         for name, value in (("sample_id", sid), ("input_ids", sample.input_ids), ("loss_mask", sample.loss_mask),
                             ("length", len(sample.input_ids)), ("num_loss_tokens", int(sum(sample.loss_mask))),
@@ -190,13 +209,13 @@ def _encode_or_reject(masker, keep: list, audit: ShardAudit) -> tuple[list, list
     if not keep:
         return keep, []
     try:
-        return keep, encode_conversations(masker, [m for _, m, _ in keep], [t for _, _, t in keep])
+        return keep, encode_conversations(masker, [k[1] for k in keep], [k[2] for k in keep], [k[3] for k in keep])
     except TEMPLATE_ERRORS:
         pass
     kept, samples = [], []
     for item in keep:
         try:
-            samples.extend(encode_conversations(masker, [item[1]], [item[2]]))
+            samples.extend(encode_conversations(masker, [item[1]], [item[2]], [item[3]]))
         except TEMPLATE_ERRORS as exc:
             reason = f"the chat template fails on it ({type(exc).__name__}: {str(exc)[:300]})"
             log.warning("sample %s: %s; left out of the token shard", item[0], reason)
@@ -269,12 +288,14 @@ class ShardTokenizer:
         audit = ShardAudit(self.trivial_tokens)
         ids, parts = table.column("sample_id").to_pylist(), []
         token_ids = token_id_columns(table)  # regenerated rows: the target's own ids, no text round trip
+        tools = ([sample_tools({"tools": t}) for t in table.column("tools").to_pylist()]
+                 if "tools" in table.column_names else [None] * table.num_rows)  # shards from before tools: none
         for lo in range(0, table.num_rows, self.batch_size):
             conversations = table.column("messages").slice(lo, self.batch_size).to_pylist()
             for k, messages in enumerate(conversations):
                 check_conversation(input_path, lo + k, ids[lo + k], messages)
             part = _encode_batch(self.masker, ids[lo:lo + self.batch_size], conversations, audit, self.pattern,
-                                 trusted, token_ids[lo:lo + self.batch_size])
+                                 trusted, token_ids[lo:lo + self.batch_size], tools[lo:lo + self.batch_size])
             if part is not None:
                 parts.append(part)
             if progress:
