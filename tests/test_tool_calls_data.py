@@ -433,3 +433,85 @@ def test_template_without_tools_refuses_tool_samples(tmp_path, demo_tokenizer_di
         "train without them (a target whose template takes tools= and tool_calls, e.g. Qwen3, trains it)")
     assert pq.read_table(tmp_path / "t.parquet").column("sample_id").to_pylist() == [sample_id(
         normalize_record(CHAT)[1])]
+
+
+# --- audit: tool-call share per file, malformed counts, the min_tool_call_share gate ---------------------------
+
+
+def _audited(tmp_path, tokenizer_dir, minimum):
+    import yaml
+
+    from conftest import REPO
+    from dflash_pipeline.data.audit import build_report, write_html
+    from dflash_pipeline.data.ingest import ingest_file
+    from dflash_pipeline.data.manifest import build_manifest, write_shard
+    from dflash_pipeline.data.tokenize import tokenize_shard
+    from dflash_pipeline.storage import write_json
+
+    files = {"agentic": [openai_record(), sharegpt_record(), CHAT, openai_record(),  # the last one: a duplicate
+                         MALFORMED[0][1], MALFORMED[2][1]],
+             "chat": [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Question {i}?"},
+                                                    {"role": "assistant", "content": f"Answer {i}."}]}
+                      for i in range(5)]}
+    records, stats = [], []
+    for src, rows in files.items():
+        (tmp_path / f"{src}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        ingest_file(str(tmp_path / f"{src}.jsonl"), str(tmp_path / f"{src}.parquet"),
+                    str(tmp_path / f"{src}.stats.json"), str(tmp_path / f"{src}.q.jsonl"))
+        records.append(str(tmp_path / f"{src}.parquet"))
+        stats.append(str(tmp_path / f"{src}.stats.json"))
+    write_json(tmp_path / "manifest.json", build_manifest(records, stats, shard_size=1000))
+    audits = []
+    for s in json.loads((tmp_path / "manifest.json").read_text())["shards"]:
+        write_shard(str(tmp_path / f"{s['src']}.parquet"), s, str(tmp_path / f"{s['shard']}.parquet"))
+        tokenize_shard(str(tmp_path / f"{s['shard']}.parquet"), str(tokenizer_dir),
+                       str(tmp_path / f"{s['shard']}.t.parquet"), str(tmp_path / f"{s['shard']}.audit.json"),
+                       max_length=4096)
+        audits.append(str(tmp_path / f"{s['shard']}.audit.json"))
+    thresholds = {**yaml.safe_load((REPO / "config/config.yaml").read_text())["audit"], "min_samples": 1,
+                  "max_quarantine_fraction": 1.0, "max_duplicate_fraction": 1.0, "max_trivial_fraction": 1.0}
+    if minimum is not None:
+        thresholds["min_tool_call_share"] = minimum
+    report = build_report(audits, str(tmp_path / "manifest.json"), thresholds, "full", "source")
+    write_html(report, str(tmp_path / "report.html"))
+    return report
+
+
+def test_audit_shows_tool_calls_per_file(tmp_path, demo_tokenizer_dir):
+    report = _audited(tmp_path, demo_tokenizer_dir, None)
+    by_file = {f["file"].rsplit("/", 1)[-1]: f for f in report["tool_calls"]["files"]}
+    # agentic: 4 kept at ingest (one a duplicate), 3 of them call tools, 2 + 1 + 2 calls; 2 malformed quarantined
+    assert by_file["agentic.jsonl"] == {"file": by_file["agentic.jsonl"]["file"], "samples": 3, "share": 0.75,
+                                        "calls": 5, "calls_per_sample": 5 / 3, "malformed_quarantined": 2}
+    assert by_file["chat.jsonl"] | {"file": ""} == {"file": "", "samples": 0, "share": 0.0, "calls": 0,
+                                                    "calls_per_sample": 0.0, "malformed_quarantined": 0}
+    # what tokenize kept (after deduplication): 2 tool-calling samples of 8
+    assert report["tool_calls"] | {"files": []} == {"files": [], "samples": 2, "share": 0.25,
+                                                     "refused_tools_unsupported": 0}
+    assert "tool_call_share" not in {c["check"] for c in report["checks"]}  # off by default
+    html = (tmp_path / "report.html").read_text()
+    assert "<h2>Tool calls</h2><p>2 tokenized samples call tools (25.0%)." in html
+    assert "<td>3 (75.0%)</td><td>5</td><td>1.67</td><td>2</td>" in html
+
+
+def test_gate_min_tool_call_share(tmp_path, demo_tokenizer_dir, capsys):
+    import argparse
+
+    from dflash_pipeline.data.audit import run_gate
+    from dflash_pipeline.storage import write_json
+
+    (tmp_path / "low").mkdir()
+    report = _audited(tmp_path / "low", demo_tokenizer_dir, 0.5)
+    check = next(c for c in report["checks"] if c["check"] == "tool_call_share")
+    assert check["status"] == "fail" and check["value"] == 0.25
+    assert check["message"] == (
+        "25.0% of samples call tools (audit.min_tool_call_share): the data is meant to be agentic: 2 record(s) were "
+        "quarantined for a malformed tool call, 0 sample(s) left out because the target's chat template does not "
+        "render tools; accepted shapes are in docs/data.md ('Tool-calling conversations')")
+    write_json(tmp_path / "report.json", report)
+    args = argparse.Namespace(report=str(tmp_path / "report.json"), out=str(tmp_path / "gate.ok"))
+    assert run_gate(args) == 1 and not (tmp_path / "gate.ok").exists()
+    assert "of samples call tools (audit.min_tool_call_share)" in capsys.readouterr().err
+    (tmp_path / "ok").mkdir()
+    passing = _audited(tmp_path / "ok", demo_tokenizer_dir, 0.25)
+    assert next(c for c in passing["checks"] if c["check"] == "tool_call_share")["status"] == "pass"

@@ -2,7 +2,9 @@
 
 The report (JSON + a self-contained HTML page with plots) says what the data looks like before any GPU
 time is spent: supervision per sample, response lengths, turns, truncation, roles, quarantine reasons,
-duplicates and placeholder answers repeated across samples. Thresholds from the config decide.
+duplicates and placeholder answers repeated across samples, tool calls (per input file: the share of samples
+that call tools, calls per such sample, records quarantined for a malformed call). Thresholds from the config
+decide; `min_tool_call_share` (off by default) fails data meant to be agentic that has too few tool calls.
 
 Modes: `full` checks everything (the gate in front of extraction). `prompts` is the gate in front of
 generation: responses are about to be regenerated, so response-quality findings are warnings there.
@@ -93,7 +95,7 @@ def _check_specs(agg: dict, thresholds: dict) -> list[tuple]:
     trivial_tokens = agg["settings"].get("trivial_tokens", thresholds.get("trivial_response_tokens", 6))
     min_repeats = thresholds["placeholder_min_repeats"]
     placeholders = [a["answer"] for a in agg["top_answers"][:3] if a["samples"] >= min_repeats]
-    return [
+    specs = [
         ("min_samples", t.get("samples", 0), thresholds["min_samples"], ">=",
          "||too few samples survived ingest and tokenization: check the inputs"
          + (f"; {quarantined_files(agg['ingest'])}" if ingest["quarantined"] else "")),
@@ -121,6 +123,38 @@ def _check_specs(agg: dict, thresholds: dict) -> list[tuple]:
         ("quarantined", ingest["quarantined"] / read, thresholds["max_quarantine_fraction"], "<=",
          f"of records read were quarantined as malformed||{quarantined_files(agg['ingest'])}"),
     ]
+    if thresholds.get("min_tool_call_share") is not None:
+        specs.append(_tool_call_spec(agg, thresholds["min_tool_call_share"]))
+    return specs
+
+
+def _tool_call_spec(agg: dict, minimum: float) -> tuple:
+    tc = tool_call_summary(agg)
+    malformed = sum(f["malformed_quarantined"] for f in tc["files"])
+    return ("tool_call_share", tc["share"], minimum, ">=",
+            "of samples call tools (audit.min_tool_call_share)||the data is meant to be agentic: "
+            f"{malformed} record(s) were quarantined for a malformed tool call, {tc['refused_tools_unsupported']} "
+            "sample(s) left out because the target's chat template does not render tools; accepted shapes are in "
+            "docs/data.md ('Tool-calling conversations')")
+
+
+def tool_call_summary(agg: dict) -> dict:
+    """Tool calling per input file (from the ingest stats: samples that call tools, their share of the file's
+    kept records, calls per such sample, records quarantined for a malformed call) and over what tokenize kept
+    (the gate's share: what trains) and refused (a template that cannot render tools)."""
+    files = []
+    for f in agg["ingest"]["files"]:
+        tc = f.get("tool_calls")
+        if tc is None:  # ingested before tool calling was counted
+            continue
+        ingested = f["kept"] + f["duplicates"]  # ingest's kept records, before deduplication
+        files.append({"file": f["file"], "samples": tc["samples"], "share": tc["samples"] / max(ingested, 1),
+                      "calls": tc["calls"], "calls_per_sample": tc["calls"] / tc["samples"] if tc["samples"] else 0.0,
+                      "malformed_quarantined": tc["malformed_quarantined"]})
+    t = agg["totals"]
+    return {"files": files, "samples": t.get("tool_call_samples", 0),
+            "share": t.get("tool_call_samples", 0) / max(t.get("samples", 0), 1),
+            "refused_tools_unsupported": t.get("tools_unsupported", 0)}
 
 
 def quarantined_files(ingest: dict, top: int = 3) -> str:
@@ -176,6 +210,7 @@ def build_report(audit_paths, manifest_path, thresholds, mode, dataset) -> dict:
         "rejected_examples": agg["rejected_examples"],
         "generation_failure_reasons": agg["generation_failure_reasons"],
         "ingest": agg["ingest"],
+        "tool_calls": tool_call_summary(agg),
         "histograms": agg["histograms"],
         "settings": agg["settings"],
         "thresholds": thresholds,
@@ -250,6 +285,7 @@ def write_html(report: dict, path: str) -> None:
         f"<tr><td>{esc(f['file'])}</td><td>{f['records_read']}</td><td>{f['kept']}</td><td>{f['quarantined']}</td>"
         f"<td>{f['duplicates']}</td><td>{esc(json.dumps(f['damage']) if f['damage'] else '')}</td></tr>"
         for f in report["ingest"]["files"])
+    tools = _tool_calls_html(report.get("tool_calls"), esc)
     answers = "".join(f"<tr><td>{esc(a['answer'])}</td><td>{a['samples']}</td></tr>" for a in report["top_answers"][:10])
     plots = "".join(f"<figure><img alt='{esc(t)}' src='data:image/png;base64,{b}'><figcaption>{esc(t)}</figcaption></figure>"
                     for t, b in _plots(report))
@@ -264,10 +300,25 @@ figure{{display:inline-block;margin:0.5em}}h1 span{{color:{color}}}</style></hea
 <h2>Checks</h2><table><tr><th>check</th><th>status</th><th>finding</th><th>threshold</th></tr>{rows}</table>
 <h2>Inputs (read = kept + quarantined + duplicates)</h2>
 <table><tr><th>file</th><th>read</th><th>kept</th><th>quarantined</th><th>duplicates</th><th>damage</th></tr>{files}</table>
+{tools}
 <h2>Most repeated final answers</h2><table><tr><th>answer</th><th>samples</th></tr>{answers}</table>
 <h2>Plots</h2>{plots}</body></html>"""
     with atomic_open(path, "w", encoding="utf-8") as fh:
         fh.write(page)
+
+
+def _tool_calls_html(tc: dict | None, esc) -> str:
+    """The page's tool-call section: per input file, and what tokenize kept and refused."""
+    if not tc:
+        return ""
+    rows = "".join(
+        f"<tr><td>{esc(f['file'])}</td><td>{f['samples']} ({f['share']:.1%})</td><td>{f['calls']}</td>"
+        f"<td>{f['calls_per_sample']:.2f}</td><td>{f['malformed_quarantined']}</td></tr>" for f in tc["files"])
+    refused = (f"; {tc['refused_tools_unsupported']} left out: the target's chat template does not render tools"
+               if tc["refused_tools_unsupported"] else "")
+    return (f"<h2>Tool calls</h2><p>{tc['samples']} tokenized samples call tools ({tc['share']:.1%}){refused}.</p>"
+            "<table><tr><th>file</th><th>samples with tool calls (share of kept)</th><th>calls</th>"
+            f"<th>calls per such sample</th><th>records quarantined for a malformed call</th></tr>{rows}</table>")
 
 
 def add_audit_arguments(p: argparse.ArgumentParser) -> None:

@@ -81,7 +81,8 @@ def _add_content_digests(path: str, shards: list[dict]) -> None:
 def _file_entry(src: str, st: dict, duplicates: int, kept: int, n_shards: int) -> dict:
     entry = {"src": src, "file": st["file"], "records_read": st["records_read"], "quarantined": st["quarantined"],
              "decontaminated": st.get("decontaminated", 0), "duplicates": duplicates, "kept": kept, "shards": n_shards,
-             "quarantine_reasons": st["quarantine_reasons"], "damage": st["damage"]}
+             "quarantine_reasons": st["quarantine_reasons"], "damage": st["damage"],
+             "tool_calls": st.get("tool_calls")}  # tool-calling samples/calls/malformed (None: stats from before)
     if entry["records_read"] != kept + entry["quarantined"] + entry["decontaminated"] + duplicates:  # exact, per file
         raise RuntimeError(f"{st['file']}: accounting broken: {entry}")
     return entry

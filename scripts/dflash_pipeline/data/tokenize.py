@@ -51,7 +51,7 @@ TOKENS_SCHEMA = pa.schema(
     ]
 )
 COUNTS = ("truncated", "trivial", "no_supervision", "empty_response", "not_ending_with_assistant", "system_prompt",
-          "closing_missing", "control_tokens", "template_error", "tools_unsupported")
+          "closing_missing", "control_tokens", "template_error", "tools_unsupported", "tool_call_samples")
 # what a chat template raises for a record it cannot render (`raise_exception(...)`, an undefined attribute,
 # adding None to a string): that record is left out with the reason, the shard goes on
 TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError)
@@ -128,6 +128,7 @@ class ShardAudit:
         c["not_ending_with_assistant"] += messages[-1]["role"] != "assistant"
         c["system_prompt"] += messages[0]["role"] == "system"
         c["closing_missing"] += not sample.closing_found
+        c["tool_call_samples"] += any(m.get("tool_calls") for m in assistant)  # what trains, for the tool-call gate
 
     def reject(self, sample_id: str, reason: str, kind: str = "control_tokens") -> None:
         self.counts[kind] += 1
