@@ -515,3 +515,16 @@ def test_gate_min_tool_call_share(tmp_path, demo_tokenizer_dir, capsys):
     (tmp_path / "ok").mkdir()
     passing = _audited(tmp_path / "ok", demo_tokenizer_dir, 0.25)
     assert next(c for c in passing["checks"] if c["check"] == "tool_call_share")["status"] == "pass"
+
+
+def test_tool_call_masks_with_the_qwen36_vocabulary():
+    """The real Qwen3.6 vocabulary, where <tool_call> and <tool_response> are added tokens: same supervised text."""
+    from dflash_pipeline.demo.qwen_vocab import qwen36_tokenizer
+
+    tok = qwen36_tokenizer()
+    messages, tools = normalized(openai_record())
+    for thinking, answer in ((True, OA_ANSWER), (False, OA_ANSWER.removeprefix("<think>\n\n</think>\n\n"))):
+        sample = ChatMasker(tok, enable_thinking=thinking).encode([messages], [tools])[0]
+        assert tok.decode(sample.input_ids) == sample.text
+        assert supervised_runs(tok, sample) == [OA_CALLS, answer]
+        assert tok.convert_tokens_to_ids("<tool_call>") in sample.input_ids
