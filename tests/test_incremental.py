@@ -9,6 +9,7 @@ change to one stage's parameters reruns that stage and what depends on it, and a
 from __future__ import annotations
 
 import json
+from collections import Counter
 import os
 import re
 import signal
@@ -247,7 +248,12 @@ def test_one_invocation_redoes_exactly_what_the_change_invalidates(pristine, tmp
     sample_before = sample_identity(str(work / "results/calibration/sample.parquet"))
     before = snapshot(work)
     configs = change(work, ("tiny.yaml",))
-    jobs = ran(snakemake(work, "--cores", "2", configfiles=configs))
+    # Training onward is the same jobs after every change, and extraction the same per shard: the rows of
+    # train_lr and extract_codec run them; the other rows stop before train (--omit-from train, which leaves
+    # extraction without a consumer) and the dry run that follows must plan exactly those jobs, no more. (Their
+    # run is the same one invocation cut in two: the dry run after it plans the whole rest of the DAG.)
+    omit = () if change.__name__ in ("train_lr", "extract_codec") else ("--omit-from", "train")
+    jobs = ran(snakemake(work, "--cores", "2", *omit, configfiles=configs))
     expected = _expected(change, len(shards))
     if change is change_one_record:
         # the record's shard is in the calibration's sample: a new draw, and a new calibration only if the
@@ -255,8 +261,10 @@ def test_one_invocation_redoes_exactly_what_the_change_invalidates(pristine, tmp
         expected["calibration_sample"] = 1
         if sample_identity(str(work / "results/calibration/sample.parquet")) != sample_before:
             expected["calibrate"] = 1
-    assert jobs == expected, jobs
-    assert planned(snakemake(work, "-n", configfiles=configs)) == {}, "a second invocation would do more"
+    rest = planned(snakemake(work, "-n", configfiles=configs))
+    # (Snakemake may or may not run extraction before an omitted consumer: either way, once in all)
+    assert set(rest) <= (set(TRAIN_ONWARDS) | {"extract", "hidden_from_group"} if omit else set()), rest
+    assert dict(Counter(jobs) + Counter(rest)) == expected, (jobs, rest)
     redone = _per_shard(p for p in changed(before, snapshot(work)) if "/completions/" in p or "/hidden/" in p)
     if change in (add_raw_file, change_one_record):
         # generation and extraction of no other shard: its files are the very same
