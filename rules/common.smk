@@ -345,7 +345,9 @@ def generation_backend_settings():
         raise WorkflowError(
             "generate.backend is 'sglang' but generate.gpus is 0: give each job its GPUs (tp_size x dp_size x instances)"
         )
-    return {"sglang_json": json.dumps(GEN_SGLANG, sort_keys=True)}
+    # an unset tool_call_parser is left out: the params (and outputs) of configs without it stay as they were
+    sglang = {k: v for k, v in GEN_SGLANG.items() if k != "tool_call_parser" or v}
+    return {"sglang_json": json.dumps(sglang, sort_keys=True)}
 
 
 def generate_settings():

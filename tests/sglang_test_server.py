@@ -14,6 +14,17 @@ Checked against the sglang==0.5.23 wheel (`srt/entrypoints/http_server.py`, `ope
   `message.reasoning_content`; `seed`; with `return_token_ids`: `choices[0].prompt_token_ids` and
   `response_token_ids`). Errors: `{"object": "error", "message", "type": "BadRequestError", "param", "code"}`.
 - `--api-key K`: every path but `/health` needs `Authorization: Bearer K`, else 401 `{"error": "Unauthorized"}`.
+- Tool calls (0.5.23 `protocol.ToolCall`, `serving_chat._process_tool_calls`, `function_call/qwen25_detector.py`):
+  a request's assistant `tool_calls` arguments given as JSON text are parsed for the template (not JSON: 400
+  with SGLang's wording); `tools` go to the template. The model "decides" deterministically: when the request
+  has tools and its last message is a user turn that names one of them, the answer is that call in Qwen's
+  layout (`<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, thinking first when on; the ids are
+  the words' (instant) or the tokenizer's (model engine)). With `--tool-call-parser qwen`/`qwen25` the call
+  text is parsed as 0.5.23's Qwen25Detector does: content = the text before the first `<tool_call>\n`,
+  stripped; each block's JSON to a call `{"id": "call_<24 hex>", "index", "type": "function", "function":
+  {"name", "arguments": "<JSON text>"}}` (calls to tools not in the request, and blocks that are not JSON, are
+  dropped); `finish_reason` "tool_calls", `matched_stop` null. Other parser names are accepted (the flag
+  list) but parse nothing here; without a parser the call stays in `content`, as in SGLang.
 - Context: input >= context length, or input + max_new_tokens > context length, is HTTP 400 with SGLang's
   exact wording. The context length is `--context-length`, else the model's `max_position_embeddings`.
 
@@ -29,6 +40,9 @@ environment variables (they cannot look like SGLang flags):
   (body cut short), `delay`, `empty` (a 200 answer with empty content, chat), `400` (rejected for another
   reason than length), `abort` (HTTP 200 with finish_reason abort, as SGLang reports an aborted request).
 - `..._WITHOUT_MODEL_INFO=1`: `/model_info` answers 404 (an older server: only `/get_model_info`).
+- `..._TOOL_ARGUMENTS`: `json` (default, SGLang's shape), `string` (the model wrote the arguments as a JSON
+  string: SGLang passes it on as JSON text of a string), `text` (arguments that are not JSON at all: SGLang
+  0.5.23's parsers never return that, other OpenAI-compatible servers pass the model's text through).
 - `..._DELAY` (latency of every request), `..._DIE_AFTER` N (`os._exit` on the N-th POST, like a crash),
   `..._STARTUP_DELAY` (seconds of 503 on /health), `..._STATS_FILE` (request counts, seeds and budgets as JSON).
 - Rate control (instant engine): `..._TOKENS_PER_S` simulates decoding: the server produces that many output
@@ -47,8 +61,10 @@ import hashlib
 import json
 import os
 import random
+import re
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +94,7 @@ class Knobs:
     tokens_per_s: float = 0.0
     answer_words_per_prompt_word: float = 0.0
     without_model_info: int = 0  # 1: no /model_info (404), as servers before it was added: /get_model_info only
+    tool_arguments: str = "json"  # json | string | text (see the module docstring)
 
     @classmethod
     def from_env(cls) -> "Knobs":
@@ -110,6 +127,66 @@ def instant_answer(messages: list[dict], words: int) -> tuple[str, str]:
 def word_ids(text: str) -> list[int]:
     """The instant engine's "token ids": one per word, a pure function of the word."""
     return [3 + int(_h(w), 16) % 50000 for w in text.split()]
+
+
+# SGLang 0.5.23 function_call/qwen25_detector.py: the markers around one call
+TOOL_BOT, TOOL_EOT = "<tool_call>\n", "\n</tool_call>"
+QWEN_PARSERS = ("qwen", "qwen25")
+
+
+def requested_tool(messages: list[dict], tools: list | None) -> dict | None:
+    """The tool the stand-in model calls: the first of `tools` that the last message, a user turn, names."""
+    if not tools or not messages or messages[-1].get("role") != "user":
+        return None
+    text = messages[-1].get("content") or ""
+    return next((t for t in tools if t["function"]["name"] in text), None)
+
+
+def call_text(tool: dict, key: str, arguments: str) -> str:
+    """The call as a Qwen model writes it; arguments from the tool's parameters, a function of `key`."""
+    props = ((tool["function"].get("parameters") or {}).get("properties") or {})
+    args = {p: f"{p}-{key}" for p in props}
+    raw = json.dumps(f"{key}") if arguments == "string" else json.dumps(args, ensure_ascii=False)
+    return f'{TOOL_BOT}{{"name": "{tool["function"]["name"]}", "arguments": {raw}}}{TOOL_EOT}'
+
+
+def qwen25_parse(text: str, tools: list) -> tuple[str, list | None]:
+    """(content, tool_calls) as SGLang 0.5.23's Qwen25Detector.detect_and_parse + parse_base_json +
+    serving_chat._process_tool_calls make them (no complete call: the content alone, the call text dropped)."""
+    at = text.find(TOOL_BOT)
+    if at == -1:
+        return text, None
+    names = {t["function"]["name"] for t in tools}
+    calls = []
+    for block in re.findall(re.escape(TOOL_BOT) + "(.*?)" + re.escape(TOOL_EOT), text, re.DOTALL):
+        try:
+            action = json.loads(block.strip())
+        except ValueError:
+            continue  # SGLang logs "Failed to parse JSON part" and goes on
+        for act in action if isinstance(action, list) else [action]:
+            name = act.get("name")
+            if not (name and name in names):
+                continue  # "Model attempted to call undefined function" (SGLANG_FORWARD_UNKNOWN_TOOLS unset)
+            arguments = json.dumps(act.get("parameters") or act.get("arguments", {}), ensure_ascii=False)
+            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "index": len(calls), "type": "function",
+                          "function": {"name": name, "arguments": arguments}})
+    return text[:at].strip(), calls or None
+
+
+def template_tool_calls(messages: list[dict]) -> str | None:
+    """SGLang 0.5.23 (serving_chat.normalize_assistant_tool_call_arguments, strict): assistant history
+    arguments given as JSON text become objects for the template; the error message when one is not."""
+    for m in messages:
+        for call in (m.get("tool_calls") or []) if m.get("role") == "assistant" else []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    return "Assistant tool call function.arguments must be valid JSON."
+                if not isinstance(fn["arguments"], dict):
+                    return "Assistant tool call function.arguments must be a JSON object."
+    return None
 
 
 def input_too_long(n: int, context: int) -> str:
@@ -350,7 +427,7 @@ class Server:
             "model_path": self.args.model_path, "served_model_name": self.served_name,
             "tokenizer_path": self.args.model_path, "is_generation": True, "preferred_sampling_params": None,
             "weight_version": self.args.weight_version or "default", "load_format": self.args.load_format or "auto",
-            "reasoning_parser": self.args.reasoning_parser, "tool_call_parser": None, "disaggregation_mode": "null",
+            "reasoning_parser": self.args.reasoning_parser, "tool_call_parser": self.args.tool_call_parser, "disaggregation_mode": "null",
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": self.model_type,
             "architectures": None})
 
@@ -365,29 +442,71 @@ class Server:
         if faulted is not None:
             return faulted
         messages = body["messages"]
+        problem = template_tool_calls(messages)
+        if problem:
+            return openai_error(problem, kind="BadRequest")
+        tools = body.get("tools") or None
         budget = body.get("max_completion_tokens") or body.get("max_tokens")
         thinking = bool((body.get("chat_template_kwargs") or {}).get("enable_thinking", True))
         self._record(body.get("seed"), budget)
         if self.knobs.engine == "instant":
-            prompt_ids = word_ids(" ".join(m["content"] for m in messages))
+            prompt_ids = word_ids(" ".join(m.get("content") or "" for m in messages))
         else:
-            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                        enable_thinking=thinking)
+            prompt = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                        add_generation_prompt=True, enable_thinking=thinking)
             prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         problem = context_error(len(prompt_ids), budget, self.context)
         if problem:
             return openai_error(problem)
         budget = int(budget or 128)
-        if self.knobs.engine == "instant":
+        tool = requested_tool(messages, tools)
+        if tool is not None:
+            ans = await self._answer_call(tool, messages, prompt_ids, budget, thinking)
+        elif self.knobs.engine == "instant":
             ans = await self._answer_instant(messages, prompt_ids, budget, thinking)
         else:
             ans = await self._answer_model(prompt_ids, budget, float(body.get("temperature", 1.0)), body.get("seed"))
-        return web.json_response(self._chat_body(ans, body, thinking))
+        return web.json_response(self._chat_body(ans, body, thinking, tools))
 
-    def _chat_body(self, ans: Answer, body: dict, thinking: bool) -> dict:
+    async def _answer_call(self, tool: dict, messages: list[dict], prompt_ids: list[int], budget: int,
+                           thinking: bool) -> Answer:
+        """The scripted call (module docstring), thinking first when on, cut at the budget like any answer."""
+        key = _h(json.dumps([[m["role"], m.get("content")] for m in messages], ensure_ascii=False))
+        text = call_text(tool, key, self.knobs.tool_arguments)
+        text = f"<think>\nthinking about {key}\n</think>\n\n{text}" if thinking else text
+        if self.knobs.engine == "instant":
+            words = text.split()  # the instant engine's tokens are words
+            ids = word_ids(text)
+        else:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        finish = "length" if len(ids) > budget else "stop"
+        if finish == "length":
+            ids = ids[:budget]
+            text = " ".join(words[:budget]) if self.knobs.engine == "instant" else self.tokenizer.decode(ids)
+        await self.decoder.decode(len(ids))
+        ids = ids + ([self.end_id] if finish == "stop" else [])
+        return Answer(text, ids, prompt_ids, finish, budget, {"completion_tokens": len(ids)})
+
+    def _tool_calls(self, content: str, body: dict, tools: list | None) -> tuple[str, list | None]:
+        """(content, tool_calls) after the tool-call parser (only when it is active for the request)."""
+        if not tools or body.get("tool_choice", "auto") == "none" or self.args.tool_call_parser not in QWEN_PARSERS:
+            return content, None
+        content, calls = qwen25_parse(content, tools)
+        if calls and self.knobs.tool_arguments == "text":
+            for call in calls:
+                call["function"]["arguments"] = "not JSON: " + call["function"]["arguments"]
+        return content, calls
+
+    def _chat_body(self, ans: Answer, body: dict, thinking: bool, tools: list | None = None) -> dict:
         reasoning, content = self._parse(ans.text, thinking)
-        choice = {"index": 0, "finish_reason": ans.finish, "matched_stop": self.end_id if ans.finish == "stop" else None,
-                  "message": {"role": "assistant", "content": content, "reasoning_content": reasoning}}
+        content, calls = self._tool_calls(content, body, tools)
+        finish, matched = ans.finish, self.end_id if ans.finish == "stop" else None
+        message = {"role": "assistant", "content": content or "", "reasoning_content": reasoning}
+        if calls:  # SGLang leaves the key out when there are no calls
+            message["tool_calls"] = calls
+            if finish == "stop":
+                finish, matched = "tool_calls", None
+        choice = {"index": 0, "finish_reason": finish, "matched_stop": matched, "message": message}
         if body.get("return_token_ids"):  # choices[0].prompt_token_ids / response_token_ids
             choice.update(prompt_token_ids=ans.prompt_ids, response_token_ids=ans.output_ids)
         completion = ans.extra["completion_tokens"]

@@ -18,12 +18,13 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import logging
 import random
 from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
 
-from dflash_pipeline.data.conversations import SAMPLE_SCHEMA
+from dflash_pipeline.data.conversations import SAMPLE_SCHEMA, TOOL_FIELDS, sample_tools
 from dflash_pipeline.errors import PipelineError
 
 COMPLETION_SCHEMA = pa.schema(
@@ -43,9 +44,13 @@ COMPLETION_SCHEMA = pa.schema(
         ("output_ids", pa.list_(pa.list_(pa.int32()))),
         # The prompt ids of the last generated turn: prompt_ids + output_ids[-1] is the exact token stream.
         ("prompt_ids", pa.list_(pa.int32())),
+        # `turns: all` with tools: why the conversation ends early (the target called other tools than the
+        # original turn; its later tool results would answer calls that were not made), null otherwise
+        ("cut_reason", pa.string()),
     ]
 )
 OK_FINISH = ("stop", "length")
+LOG = logging.getLogger(__name__)
 
 
 class TransientError(Exception):
@@ -100,6 +105,7 @@ class Completion:
     output_ids: list[int] | None = None  # as generated, the end token included
     prompt_ids: list[int] | None = None
     detail: str = ""                     # the server's message for an abort
+    tool_calls: list[dict] | None = None  # parsed calls, stored form (generation/tool_calls.py)
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,7 @@ class Counters:
     empty: int = 0
     aborted: int = 0       # answers the server ended with another finish_reason than stop/length
     truncated: int = 0     # conversations cut where a later turn did not fit the context (kept, status ok)
+    cut: int = 0           # conversations cut where the target called other tools than the original (kept, ok)
     retries: int = 0
     rejected: int = 0
     requests: int = 0
@@ -154,8 +161,11 @@ def split_reasoning(text: str, enable_thinking: bool) -> tuple[str, str | None]:
 
 
 def chat_messages(messages: list[dict]) -> list[dict]:
-    """Messages as the chat API wants them (earlier thinking is not sent back)."""
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    """Messages as the chat API wants them (earlier thinking is not sent back; tool calls with their arguments
+    as JSON text, tool results with their call's id: generation/tool_calls.py)."""
+    from dflash_pipeline.generation.tool_calls import wire_message
+
+    return [wire_message(m) for m in messages]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -195,19 +205,22 @@ def _length_retry(turn: _Turn, policy: Policy, counters: Counters) -> bool:
 
 
 async def complete_with_policy(engine, messages, params: SamplingParams, policy: Policy, counters: Counters,
-                               tally: list, seed: int) -> Completion:
+                               tally: list, seed: int, tools: list | None = None) -> Completion:
     """One assistant turn, with retries, the finish_reason policy and the empty-answer check.
 
     Raises PermanentError (not worth retrying later: no room in the context, length dropped, empty) or
     TransientError (retries exhausted: a rerun tries again). An empty answer is asked again with the next seed
-    (the same seed would give the same answer under deterministic inference).
+    (the same seed would give the same answer under deterministic inference). `tools` (the sample's schemas)
+    go with the request only when there are any, so chat-only requests are what they always were.
     """
+    extra = {"tools": tools} if tools else {}
     turn = _Turn(budget=params.max_new_tokens, seed=seed)
     while True:
         tally[0] += 1
         counters.requests += 1
         try:
-            result = await engine.complete(messages, dataclasses.replace(params, seed=turn.seed), turn.budget)
+            result = await engine.complete(messages, dataclasses.replace(params, seed=turn.seed), turn.budget,
+                                           **extra)
         except TransientError as exc:
             await _transient(exc, turn, policy, counters)
             continue
@@ -218,7 +231,7 @@ async def complete_with_policy(engine, messages, params: SamplingParams, policy:
             continue
         if result.finish_reason == "length" and _length_retry(turn, policy, counters):
             continue
-        if not result.content.strip():
+        if not result.content.strip() and not result.tool_calls:  # a bare call is an answer
             counters.empty += 1
             turn.empty_seen += 1
             if turn.empty_seen <= policy.empty_retries:
@@ -234,17 +247,18 @@ async def complete_with_policy(engine, messages, params: SamplingParams, policy:
 # one sample
 # --------------------------------------------------------------------------------------------------------
 def turn_plan(messages: list[dict], turns: str):
-    """Yield the index of every assistant turn to generate (len(messages) for a trailing user turn)."""
-    seen_user = False
+    """Yield the index of every assistant turn to generate (len(messages) for a trailing user turn). A tool
+    result asks for an answer as a user turn does (an assistant turn after a tool result is generated too)."""
+    seen_user = asked = False
     for i, m in enumerate(messages):
-        if m["role"] == "user":
-            seen_user = True
-        elif m["role"] == "assistant" and seen_user:
+        if m["role"] == "user" or (m["role"] == "tool" and seen_user):
+            seen_user = asked = True
+        elif m["role"] == "assistant" and asked:
             yield i
             if turns == "first":
                 return
-            seen_user = False
-    if messages and messages[-1]["role"] == "user":
+            asked = False
+    if messages and messages[-1]["role"] in ("user", "tool") and seen_user:
         yield len(messages)
 
 
@@ -260,9 +274,13 @@ class _Conversation:
     turn_ids: list = field(default_factory=list)
     prompt_ids: list[int] | None = None
     truncated: bool = False
+    cut_reason: str | None = None
 
     def add(self, result: Completion) -> None:
-        self.messages.append({"role": "assistant", "content": result.content, "reasoning_content": result.reasoning})
+        message = {"role": "assistant", "content": result.content, "reasoning_content": result.reasoning}
+        if result.tool_calls:
+            message["tool_calls"] = json.dumps(result.tool_calls, ensure_ascii=False)
+        self.messages.append(message)
         self.prompt_tokens += result.prompt_tokens
         self.completion_tokens += result.completion_tokens
         self.finish = result.finish_reason
@@ -271,18 +289,24 @@ class _Conversation:
         self.generated += 1
 
 
-async def _regenerate(engine, original: list[dict], params, policy, counters, tally, seed: int) -> _Conversation:
+async def _regenerate(engine, original: list[dict], params, policy, counters, tally, seed: int,
+                      tools: list | None = None) -> _Conversation:
     """Every planned turn in order, each on the model's own earlier answers. A later turn that no longer fits
-    the context ends the conversation after the turns already made (kept as a shorter conversation)."""
+    the context ends the conversation after the turns already made (kept as a shorter conversation); so does a
+    turn whose tool calls differ from the original turn's (`cut_reason`, generation/tool_calls.py): later tool
+    results stay the original ones, which answer only the calls the original made."""
+    from dflash_pipeline.generation.tool_calls import divergence, renamed_results
+
     conv = _Conversation()
-    cursor = 0
+    cursor, answered = 0, None  # answered: (original turn, the target's calls) of the last generated turn
     for pos in turn_plan(original, policy.turns):
         # user/system turns; an original assistant turn survives only before the first user turn
-        conv.messages.extend(m for m in original[cursor:pos] if m["role"] != "assistant" or conv.generated == 0)
+        before = [m for m in original[cursor:pos] if m["role"] != "assistant" or conv.generated == 0]
+        conv.messages.extend(renamed_results(before, *answered) if answered else before)
         cursor = pos + 1
         try:
             result = await complete_with_policy(engine, chat_messages(conv.messages), params, policy, counters,
-                                                tally, seed)
+                                                tally, seed, tools)
         except ContextFull:
             if conv.generated == 0:
                 raise
@@ -294,8 +318,15 @@ async def _regenerate(engine, original: list[dict], params, policy, counters, ta
                 raise
             raise type(exc)(f"turn {conv.generated + 1}: {exc}") from None
         conv.add(result)
+        answered = (original[pos], result.tool_calls) if pos < len(original) else None
+        later = policy.turns == "all" and pos + 1 < len(original)  # original turns would follow this one
+        cut = divergence(original[pos], result.tool_calls, conv.generated) if later else None
+        if cut:
+            conv.cut_reason = cut
+            return conv
     if policy.turns == "all":
-        conv.messages.extend(m for m in original[cursor:] if m["role"] != "assistant")
+        rest = [m for m in original[cursor:] if m["role"] != "assistant"]
+        conv.messages.extend(renamed_results(rest, *answered) if answered else rest)
     if conv.generated == 0:
         raise PermanentError("no user turn to answer")
     return conv
@@ -310,12 +341,16 @@ def _prompt_only(original: list[dict]) -> list[dict]:
 async def generate_sample(engine, sample: dict, params: SamplingParams, policy: Policy, counters: Counters,
                           model: str, sampling_json: str) -> dict:
     """The completion row of one sample (status ok, or failed with a reason; `permanent` for the journal)."""
+    from dflash_pipeline.generation.tool_calls import has_tool_content
+
     original = sample["messages"]
     seed = sample_seed(params.seed, sample["sample_id"])
     tally = [0]
     conv, reason, permanent = None, None, True
     try:
-        conv = await _regenerate(engine, original, params, policy, counters, tally, seed)
+        if has_tool_content(sample) and not getattr(engine, "parses_tool_calls", False):
+            raise PermanentError(tools_refusal(sample["sample_id"], engine))
+        conv = await _regenerate(engine, original, params, policy, counters, tally, seed, sample_tools(sample))
     except PermanentError as exc:
         reason = str(exc)
         if isinstance(exc, RejectedError):
@@ -327,10 +362,13 @@ async def generate_sample(engine, sample: dict, params: SamplingParams, policy: 
         counters.failed += 1
         counters.failed_permanent += int(permanent)
         counters.add_failure(reason)
+        if reason.startswith(TOOLS_UNSUPPORTED) and counters.failure_reasons[TOOLS_UNSUPPORTED] == 1:
+            LOG.warning("%s (every such sample fails with this reason)", reason)
         conv = _Conversation(messages=_prompt_only(original))
     else:
         counters.ok += 1
         counters.truncated += int(conv.truncated)
+        counters.cut += int(conv.cut_reason is not None)
     counters.prompt_tokens += conv.prompt_tokens
     counters.completion_tokens += conv.completion_tokens
     ok = reason is None
@@ -338,8 +376,9 @@ async def generate_sample(engine, sample: dict, params: SamplingParams, policy: 
         "sample_id": sample["sample_id"],
         "source": sample["source"],
         "source_id": sample["source_id"],
-        "messages": [{"role": m["role"], "content": m["content"], "reasoning_content": m.get("reasoning_content")}
-                     for m in conv.messages],
+        "messages": [{"role": m["role"], "content": m["content"], "reasoning_content": m.get("reasoning_content"),
+                      **{k: m.get(k) for k in TOOL_FIELDS}} for m in conv.messages],
+        "tools": sample.get("tools"),
         "status": "ok" if ok else "failed",
         "failure_reason": reason,
         "finish_reason": conv.finish,
@@ -352,5 +391,18 @@ async def generate_sample(engine, sample: dict, params: SamplingParams, policy: 
         "attempts": tally[0],
         "output_ids": conv.turn_ids if ok and all(t is not None for t in conv.turn_ids) else None,
         "prompt_ids": conv.prompt_ids if ok else None,
+        "cut_reason": conv.cut_reason if ok else None,
         "permanent": permanent,
     }
+
+
+TOOLS_UNSUPPORTED = "tools_unsupported"
+
+
+def tools_refusal(sample_id: str, engine) -> str:
+    """The one line a sample with tools fails with on an engine that neither sends tools nor parses calls."""
+    which = {"HFEngine": "the hf backend", "SlotEngine": "the hf backend (slot engine)",
+             "HTTPEngine": "the servers' /generate API (api: generate)"}.get(type(engine).__name__, engine.describe())
+    return (f"{TOOLS_UNSUPPORTED}: sample {sample_id} has tools or tool calls, which {which} does not "
+            "send or parse; regenerate it with generate.backend: sglang (chat API) and "
+            "generate.sglang.tool_call_parser set for the target (e.g. qwen25)")

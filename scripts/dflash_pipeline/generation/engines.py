@@ -25,6 +25,7 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.generation.client import (
     Completion, ContextFull, FatalError, PermanentError, RejectedError, TransientError, split_reasoning,
 )
+from dflash_pipeline.generation.tool_calls import ToolCallError, parse_tool_calls
 from dflash_pipeline.storage import redact_credentials
 
 LOG = logging.getLogger(__name__)
@@ -154,6 +155,8 @@ class HTTPEngine:
         self.context_length = context_length
         self.weight_version: str | None = None
         self.served_model_path: str | None = None  # /model_info's model_path, whatever --model-name says
+        self.tool_call_parser: str | None = None
+        self.parser_reported = False  # /model_info named the servers' tool_call_parser (None: started without)
         self.dead_after = dead_after
         self.revive_after_s = revive_after_s
         self.revive_max_s = revive_max_s
@@ -179,6 +182,11 @@ class HTTPEngine:
     @property
     def in_flight(self) -> int:
         return sum(e.in_flight for e in self.endpoints)
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """The chat API sends `tools` and the server parses the calls; /generate renders prompts here, without."""
+        return self.api == "chat"
 
     def describe(self) -> str:
         alive = sum(e.alive for e in self.endpoints)
@@ -250,6 +258,8 @@ class HTTPEngine:
             self.model = self.model or info.get("model_path") or card.get("id")
             self.served_model_path = self.served_model_path or info.get("model_path")
             self.weight_version = self.weight_version or info.get("weight_version")
+            if "tool_call_parser" in info:
+                self.parser_reported, self.tool_call_parser = True, info["tool_call_parser"]
             if self.context_length is None and isinstance(card.get("max_model_len"), int):
                 self.context_length = card["max_model_len"]
             if self.model:
@@ -317,26 +327,30 @@ class HTTPEngine:
             self._take_out(e, f"{e.consecutive_failures} failures in a row ({why})")
 
     # -- requests --------------------------------------------------------------------------------------
-    async def complete(self, messages: list[dict], params, max_new_tokens: int) -> Completion:
+    async def complete(self, messages: list[dict], params, max_new_tokens: int, tools: list | None = None
+                       ) -> Completion:
+        if tools and self.parser_reported and not self.tool_call_parser:
+            raise PermanentError("the servers run without --tool-call-parser, so the target's calls would stay "
+                                 "unparsed text: set generate.sglang.tool_call_parser (e.g. qwen25)")
         e = await self._acquire()
         try:
-            result = await self._complete_on(e, messages, params, max_new_tokens)
+            result = await self._complete_on(e, messages, params, max_new_tokens, tools)
         finally:
             self._release(e)
         e.completed += 1
         result.server = e.name
         return result
 
-    async def _complete_on(self, e: Endpoint, messages, params, max_new_tokens: int) -> Completion:
+    async def _complete_on(self, e: Endpoint, messages, params, max_new_tokens: int, tools=None) -> Completion:
         import aiohttp
 
         try:
             try:
-                return await self._post_api(e, messages, params, max_new_tokens)
+                return await self._post_api(e, messages, params, max_new_tokens, tools)
             except _Overflow as over:  # the server's numbers: ask once more within the context
                 self.context_length = self.context_length or over.context
                 return await self._post_api(e, messages, params,
-                                            capped_budget(over.prompt_tokens, max_new_tokens, over.context))
+                                            capped_budget(over.prompt_tokens, max_new_tokens, over.context), tools)
         except _Overflow as over:
             raise ContextFull(f"prompt too long: {over}") from None
         except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
@@ -354,10 +368,10 @@ class HTTPEngine:
             e.consecutive_failures = 0  # the server answered: it is healthy
             raise
 
-    async def _post_api(self, e, messages, params, max_new_tokens) -> Completion:
+    async def _post_api(self, e, messages, params, max_new_tokens, tools=None) -> Completion:
         if self.api == "generate":
             return await self._post_generate(e, messages, params, max_new_tokens)
-        return await self._post_chat(e, messages, params, max_new_tokens)
+        return await self._post_chat(e, messages, params, max_new_tokens, tools)
 
     async def _post(self, e: Endpoint, path: str, payload: dict) -> dict:
         async with self._session.post(e.url + path, json=payload) as resp:
@@ -369,7 +383,7 @@ class HTTPEngine:
         e.consecutive_failures = 0
         return json.loads(body)
 
-    async def _post_chat(self, e, messages, params, max_new_tokens) -> Completion:
+    async def _post_chat(self, e, messages, params, max_new_tokens, tools=None) -> Completion:
         payload = {"model": self.model or "default", "messages": messages, "max_tokens": max_new_tokens,
                    "temperature": params.temperature, "top_p": params.top_p,
                    "chat_template_kwargs": {"enable_thinking": params.enable_thinking},
@@ -379,12 +393,20 @@ class HTTPEngine:
             payload["top_k"] = params.top_k
         if params.seed is not None:
             payload["seed"] = params.seed
+        if tools:
+            payload["tools"] = tools  # tool_choice stays SGLang's default with tools: auto
         data = await self._post(e, "/v1/chat/completions", payload)
         choice = data["choices"][0]
         message = choice["message"]
         content = message.get("content") or ""
         reasoning = message.get("reasoning_content")
         finish, detail = finish_of(choice.get("finish_reason"))
+        try:
+            calls = parse_tool_calls(message.get("tool_calls"))
+        except ToolCallError as exc:
+            raise PermanentError(f"tool call not stored: {exc}") from None
+        if finish == "tool_calls":  # SGLang 0.5.23 reports a stop that ended in parsed calls so
+            finish = "stop"
         usage = data.get("usage") or {}
         if reasoning is None and "</think>" in content:  # a server without a reasoning parser
             content, reasoning = split_reasoning(content, params.enable_thinking)
@@ -392,7 +414,7 @@ class HTTPEngine:
                           prompt_tokens=int(usage.get("prompt_tokens") or 0),
                           completion_tokens=int(usage.get("completion_tokens") or 0),
                           output_ids=token_ids(choice.get("response_token_ids")),
-                          prompt_ids=token_ids(choice.get("prompt_token_ids")))
+                          prompt_ids=token_ids(choice.get("prompt_token_ids")), tool_calls=calls)
 
     async def _post_generate(self, e, messages, params, max_new_tokens) -> Completion:
         prompt_ids = self.render(messages, params.enable_thinking)

@@ -48,7 +48,8 @@ def _die_with_parent() -> None:  # runs in the child before exec
 CONFIG_FLAGS = [("reasoning_parser", "--reasoning-parser"), ("mem_fraction_static", "--mem-fraction-static"),
                 ("max_running_requests", "--max-running-requests"), ("context_length", "--context-length"),
                 ("tp_size", "--tp-size"), ("dp_size", "--dp-size"),
-                ("mamba_radix_cache_strategy", "--mamba-radix-cache-strategy")]
+                ("mamba_radix_cache_strategy", "--mamba-radix-cache-strategy"),
+                ("tool_call_parser", "--tool-call-parser")]  # tool calls parsed into message.tool_calls
 
 
 def sglang_command(model_path: str, cfg: dict, trust_remote_code: bool = False) -> list[str]:

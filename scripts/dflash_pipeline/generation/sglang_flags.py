@@ -35,6 +35,12 @@ def by_name() -> dict[str, dict]:
     return {name: flag for flag in _spec()["flags"] for name in flag["names"]}
 
 
+def choices(flag: str) -> list[str]:
+    """The values SGLang accepts for `flag` ([] when any): e.g. --tool-call-parser's are 0.5.23's
+    `function_call/parser_names.TOOL_CALL_PARSER_NAMES` plus "auto", as its server_args offers them."""
+    return list(by_name()[flag].get("choices") or [])
+
+
 def _unknown(flag: str) -> PipelineError:
     hint = RENAMED.get(flag) or next(iter(difflib.get_close_matches(flag, by_name(), n=1)), None)
     return PipelineError(f"generate.sglang: {flag} is not a launch flag of SGLang {version()}"

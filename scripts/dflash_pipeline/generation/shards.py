@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline import storage
-from dflash_pipeline.data.conversations import check_conversation_table
+from dflash_pipeline.data.conversations import check_conversation_table, with_sample_columns
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.generation.client import COMPLETION_SCHEMA, Counters
 from dflash_pipeline.generation.journal import Journal
@@ -127,7 +127,8 @@ def _read_rows(path: str) -> list[dict]:
     missing = {"sample_id", "source", "source_id", "messages"} - set(table.column_names)
     if missing:
         raise PipelineError(f"{path}: not an ingested shard (missing columns {sorted(missing)})")
-    return table.select(["sample_id", "source", "source_id", "messages"]).to_pylist()
+    # a shard written before tool calling reads with null tools and tool fields
+    return with_sample_columns(table).select(["sample_id", "source", "source_id", "messages", "tools"]).to_pylist()
 
 
 def _write_parquet(table: pa.Table, out: str) -> None:

@@ -1,0 +1,236 @@
+"""Regenerating tool-calling conversations: the chat requests carry the sample's tools and its earlier calls and
+results in OpenAI's form, the SGLang stand-in answers calls in SGLang 0.5.23's shape (launched through the sglang
+backend with --tool-call-parser), calls are stored parsed; `turns: all` keeps the original tool results and cuts
+the conversation where the target calls other tools; malformed arguments fail with their reason; the hf backend
+refuses tool samples in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import run_cli
+from generation_helpers import SERVER, SGLangTestServer, read_completions, read_summary, write_shard
+from dflash_pipeline.data.conversations import SAMPLE_SCHEMA, sample_id
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.generation import servers, sglang_flags
+from dflash_pipeline.generation.client import chat_messages
+from dflash_pipeline.generation.tool_calls import ToolCallError, parse_tool_calls
+from sglang_test_server import instant_answer
+
+FAST = ["--backoff-base", "0.02", "--backoff-max", "0.2", "--revive-after", "0.5", "--progress-interval", "0.5",
+        "--max-new-tokens", "64"]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}},
+         {"type": "function", "function": {"name": "search_web", "description": "Search the web",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"query": {"type": "string"}}}}}]
+CALL_ID = re.compile(r"^call_[0-9a-f]{24}$")  # SGLang 0.5.23: f"call_{uuid.uuid4().hex[:24]}"
+
+
+def msg(role, content, **tool) -> dict:
+    return {"role": role, "content": content, "reasoning_content": None, "tool_calls": None, "tool_call_id": None,
+            "name": None, **tool}
+
+
+def call(name: str, args: dict, cid: str = "c1") -> str:
+    return json.dumps([{"id": cid, "type": "function", "function": {"name": name, "arguments": args}}])
+
+
+def conversation(asks: str, called: str | None, final: str = "It is sunny.") -> list[dict]:
+    """user -> assistant (calls `called`, or answers) -> tool result -> assistant, as ingest stores it."""
+    if called is None:
+        return [msg("user", asks), msg("assistant", "I can answer that myself."), msg("user", "Thanks!"),
+                msg("assistant", "You are welcome.")]
+    return [msg("user", asks), msg("assistant", "", tool_calls=call(called, {"city": "Paris"})),
+            msg("tool", '{"result": "sunny, 21 C"}', tool_call_id="c1", name=called), msg("assistant", final)]
+
+
+def write_samples(path, conversations: list[list[dict]], chat_only: int = 3) -> list[dict]:
+    rows = write_shard(path, chat_only, seed=5)
+    rows = [{**r, "messages": [{**msg(m["role"], m["content"]), **m} for m in r["messages"]], "tools": None}
+            for r in rows]
+    for messages in conversations:
+        text = json.dumps(TOOLS)
+        rows.append({"sample_id": sample_id(messages, text), "source": "test", "source_id": None,
+                     "messages": messages, "tools": text})
+    pq.write_table(pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA), path)
+    return rows
+
+
+def sglang_generate(tmp_path, inp, out, *extra, parser: str | None = "qwen25", env_knobs: dict | None = None,
+                    check=True):
+    """`generate --backend sglang` with the stand-in as the launch command (the real launcher's code path)."""
+    cfg = {"launch_command": [sys.executable, str(SERVER)], "reasoning_parser": "qwen3", "startup_timeout_s": 60,
+           "tool_call_parser": parser}
+    env = {**os.environ, "DFLASH_TEST_SERVER_ENGINE": "instant",
+           **{f"DFLASH_TEST_SERVER_{k.upper()}": str(v) for k, v in (env_knobs or {}).items()}}
+    return run_cli("generate", "--input", inp, "--out", out, *FAST, "--backend", "sglang", "--model",
+                   tmp_path / "no-model", "--sglang-json", json.dumps(cfg), "--server-log-dir", tmp_path / "logs",
+                   *extra, env=env, check=check)
+
+
+def by_first_user(rows: list[dict]) -> dict:
+    return {r["messages"][0]["content"]: r for r in rows}
+
+
+def assert_chat_only_unchanged(rows: list[dict]) -> None:
+    """Chat-only samples are answered exactly as before tool calling existed: no tools, no calls."""
+    for row in rows:
+        if row["tools"] is None:
+            assert row["status"] == "ok" and row["cut_reason"] is None
+            for i, m in enumerate(row["messages"]):
+                assert m["tool_calls"] is None and m["tool_call_id"] is None
+                if m["role"] == "assistant":
+                    prior = [{"role": x["role"], "content": x["content"]} for x in row["messages"][:i]]
+                    assert (m["reasoning_content"], m["content"]) == instant_answer(prior, 12)
+
+
+# ------------------------------------------------------------------------------------------------------
+def test_requests_carry_tools_and_calls_come_back_parsed(tmp_path):
+    """turns: all on `user -> call -> result -> answer`: the target's call (SGLang's shape, arguments JSON
+    text) is stored with its arguments as an object; the original tool result follows it, renamed to the
+    call's id; the final answer is generated on the call and the result (the request carried both)."""
+    (tmp_path / "no-model").mkdir()
+    rows = write_samples(tmp_path / "in.parquet", [conversation("What is the weather? Use get_weather.",
+                                                                "get_weather")])
+    out = tmp_path / "out" / "s-00000.parquet"
+    done = sglang_generate(tmp_path, tmp_path / "in.parquet", out, "--turns", "all")
+    assert "--tool-call-parser qwen25" in done.stderr
+    got = read_completions(out)
+    assert [r["sample_id"] for r in got] == [r["sample_id"] for r in rows]
+    assert_chat_only_unchanged(got)
+    row = by_first_user(got)["What is the weather? Use get_weather."]
+    assert row["status"] == "ok" and row["cut_reason"] is None and row["generated_turns"] == 2
+    assert json.loads(row["tools"]) == TOOLS
+    user, called, result, answer = row["messages"]
+    calls = json.loads(called["tool_calls"])
+    assert len(calls) == 1 and CALL_ID.match(calls[0]["id"]) and calls[0]["type"] == "function"
+    assert calls[0]["function"]["name"] == "get_weather"
+    key = re.match(r"city-(\w+)$", calls[0]["function"]["arguments"]["city"]).group(1)  # an object, not text
+    assert called["content"] == "" and called["reasoning_content"] == f"thinking about {key}"
+    assert result == msg("tool", '{"result": "sunny, 21 C"}', tool_call_id=calls[0]["id"], name="get_weather")
+    # the final answer is the stand-in's answer to exactly this conversation (so the request held the result)
+    sent = [{"role": m["role"], "content": m["content"]} for m in (user, called, result)]
+    assert (answer["reasoning_content"], answer["content"]) == instant_answer(sent, 12)
+    assert answer["tool_calls"] is None and row["finish_reason"] == "stop"
+    assert len(row["output_ids"]) == 2 and row["output_ids"][0][-1] == 2  # the call's ids, through the end token
+    assert read_summary(out)["ok"] == len(rows)
+
+
+def test_turns_all_cuts_where_the_target_calls_another_tool_or_none(tmp_path):
+    (tmp_path / "no-model").mkdir()
+    other = conversation("Find it with search_web please.", "get_weather")     # target: search_web
+    none_ = conversation("What is the weather like?", "get_weather")           # target: answers in text
+    extra = conversation("Could you run get_weather for me?", None)            # target: calls where none was
+    rows = write_samples(tmp_path / "in.parquet", [other, none_, extra])
+    for turns in ("all", "first"):
+        out = tmp_path / turns / "s-00000.parquet"
+        sglang_generate(tmp_path, tmp_path / "in.parquet", out, "--turns", turns)
+        got = by_first_user(read_completions(out))
+        assert_chat_only_unchanged(list(got.values()))
+        a, b, c = (got[conv[0]["content"]] for conv in (other, none_, extra))
+        assert all(r["status"] == "ok" and r["generated_turns"] == 1 for r in (a, b, c))
+        assert [m["role"] for m in a["messages"]] == ["user", "assistant"]  # nothing after the cut turn
+        assert [x["function"]["name"] for x in json.loads(a["messages"][1]["tool_calls"])] == ["search_web"]
+        assert b["messages"][1]["tool_calls"] is None and b["messages"][1]["content"]
+        if turns == "first":  # nothing follows the first turn anyway: no cut to record
+            assert a["cut_reason"] is b["cut_reason"] is c["cut_reason"] is None
+            continue
+        assert a["cut_reason"] == "turn 1: the target called search_web where the original called get_weather"
+        assert b["cut_reason"] == "turn 1: the target called no tool where the original called get_weather"
+        assert c["cut_reason"] == "turn 1: the target called get_weather where the original called no tool"
+        assert read_summary(out)["this_run"]["cut"] == 3
+
+
+@pytest.mark.parametrize("arguments, reason", [
+    ("text", "arguments are not JSON"),
+    ("string", "arguments are not a JSON object (a str)"),
+])
+def test_unstorable_arguments_fail_the_sample_with_the_reason(tmp_path, arguments, reason):
+    (tmp_path / "no-model").mkdir()
+    rows = write_samples(tmp_path / "in.parquet", [conversation("Use get_weather now.", "get_weather")])
+    out = tmp_path / "s-00000.parquet"
+    sglang_generate(tmp_path, tmp_path / "in.parquet", out, env_knobs={"tool_arguments": arguments})
+    got = read_completions(out)
+    assert_chat_only_unchanged(got)
+    row = by_first_user(got)["Use get_weather now."]
+    assert row["status"] == "failed" and reason in row["failure_reason"], row["failure_reason"]
+    assert row["messages"] == [msg("user", "Use get_weather now.")] and row["output_ids"] is None
+    summary = read_summary(out)
+    assert summary["failed"] == 1 and summary["failure_reasons"] == {"tool call not stored": 1}
+    assert summary["ok"] == len(rows) - 1
+
+
+def test_servers_without_a_tool_call_parser_refuse_tool_samples(tmp_path):
+    (tmp_path / "no-model").mkdir()
+    write_samples(tmp_path / "in.parquet", [conversation("Use get_weather now.", "get_weather")])
+    out = tmp_path / "s-00000.parquet"
+    done = sglang_generate(tmp_path, tmp_path / "in.parquet", out, parser=None)
+    assert not re.search(r"starting .*--tool-call-parser", done.stderr)  # the launch line
+    got = read_completions(out)
+    assert_chat_only_unchanged(got)
+    row = by_first_user(got)["Use get_weather now."]
+    assert row["status"] == "failed"
+    assert row["failure_reason"] == ("the servers run without --tool-call-parser, so the target's calls would stay "
+                                     "unparsed text: set generate.sglang.tool_call_parser (e.g. qwen25)")
+
+
+def test_hf_backend_refuses_tool_samples_in_one_line(tmp_path, tiny_target):
+    rows = write_samples(tmp_path / "in.parquet", [conversation("Use get_weather now.", "get_weather")])
+    tool_id = rows[-1]["sample_id"]
+    out = tmp_path / "s-00000.parquet"
+    done = run_cli("generate", "--input", tmp_path / "in.parquet", "--out", out, *FAST, "--backend", "hf",
+                   "--model", tiny_target, "--max-new-tokens", "4")
+    got = {r["sample_id"]: r for r in read_completions(out)}
+    assert all(r["status"] == "ok" for sid, r in got.items() if sid != tool_id)
+    reason = got[tool_id]["failure_reason"]
+    assert reason == (f"tools_unsupported: sample {tool_id} has tools or tool calls, which the hf backend does not "
+                      "send or parse; regenerate it with generate.backend: sglang (chat API) and "
+                      "generate.sglang.tool_call_parser set for the target (e.g. qwen25)")
+    warned = [line for line in done.stderr.splitlines() if "WARNING" in line and "tools_unsupported" in line]
+    assert "\n" not in reason and len(warned) == 1 and reason in warned[0]  # one line, logged once
+    assert read_summary(out)["failure_reasons"] == {"tools_unsupported": 1}
+
+
+# ------------------------------------------------------------------------------------------------------
+def test_tool_call_parser_is_checked_against_sglangs_names(tmp_path, tiny_target):
+    assert sglang_flags.choices("--tool-call-parser")[:1] == ["auto"]
+    assert {"qwen", "qwen25", "qwen3_coder", "llama3", "hermes"} <= set(sglang_flags.choices("--tool-call-parser"))
+    assert servers.sglang_command("m", {"tool_call_parser": "qwen25"})[-2:] == ["--tool-call-parser", "qwen25"]
+    assert "--tool-call-parser" not in servers.sglang_command("m", {"tool_call_parser": None})
+    with pytest.raises(PipelineError, match=r"--tool-call-parser 'qwen3': SGLang 0.5.23 accepts one of auto, "):
+        servers.sglang_command("m", {"tool_call_parser": "qwen3"})  # qwen3 is a reasoning parser's name
+    server = subprocess.run([sys.executable, str(SERVER), "--model-path", str(tiny_target), "--tool-call-parser",
+                             "qwen3"], capture_output=True, text=True, timeout=60)
+    assert server.returncode == 2 and "invalid choice: 'qwen3'" in server.stderr
+
+
+def test_messages_on_the_wire_and_calls_parsed_back():
+    stored = [msg("system", "S"), msg("user", "U"), msg("assistant", "", tool_calls=call("f", {"a": [1, "é"]})),
+              msg("tool", "R", tool_call_id="c1", name="f")]
+    assert chat_messages(stored) == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": [1, "é"]}'}}]},
+        {"role": "tool", "content": "R", "tool_call_id": "c1", "name": "f"}]
+    assert chat_messages([{"role": "user", "content": "U", "reasoning_content": None}]) == [
+        {"role": "user", "content": "U"}]  # chat-only: exactly as before
+    sglang = [{"id": "call_0123456789abcdef01234567", "index": 0, "type": "function",
+               "function": {"name": "f", "arguments": '{"x": 1}'}}]
+    assert parse_tool_calls(sglang) == [{"id": "call_0123456789abcdef01234567", "type": "function",
+                                         "function": {"name": "f", "arguments": {"x": 1}}}]
+    assert parse_tool_calls(None) is None and parse_tool_calls([]) is None
+    for bad, why in (([{"function": {"name": "f", "arguments": "{x"}}], "arguments are not JSON"),
+                     ([{"function": {"name": "f", "arguments": "[1]"}}], "not a JSON object (a list)"),
+                     ([{"function": {"arguments": "{}"}}], "has no function name")):
+        with pytest.raises(ToolCallError, match=re.escape(why)):
+            parse_tool_calls(bad)
