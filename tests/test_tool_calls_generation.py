@@ -234,3 +234,72 @@ def test_messages_on_the_wire_and_calls_parsed_back():
                      ([{"function": {"arguments": "{}"}}], "has no function name")):
         with pytest.raises(ToolCallError, match=re.escape(why)):
             parse_tool_calls(bad)
+
+
+# ------------------------------------------------------------------------------------------------------
+def _ingested(tmp_path, records) -> str:
+    """An OpenAI-style tool-calling record (and a chat one) through ingest and the manifest's shard writer."""
+    from dflash_pipeline.data.ingest import ingest_file
+    from dflash_pipeline.data.manifest import write_shard as write_manifest_shard
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in records))
+    stats = ingest_file(str(raw), str(tmp_path / "r.parquet"), str(tmp_path / "s.json"), str(tmp_path / "q.jsonl"))
+    assert stats["kept"] == len(records), stats
+    spec = {"shard": 0, "rows": [0, stats["kept"]], "drop": [], "samples": stats["kept"]}
+    write_manifest_shard(str(tmp_path / "r.parquet"), spec, str(tmp_path / "shard.parquet"))
+    return str(tmp_path / "shard.parquet")
+
+
+def test_ingest_generate_tokenize_keeps_the_targets_call_tokens(tmp_path, tiny_target):
+    """A raw OpenAI tool-calling record -> ingest -> generate (the stand-in backed by the tiny target, its
+    template rendering the tools, --tool-call-parser qwen25) -> tokenize: the token row is the target's own
+    stream; the prompt (tools' schema, the user turn; with turns: all also the call and the original tool
+    result) is unsupervised, the generated turn (turns: first: the call, <|im_end|> included) supervised."""
+    from transformers import AutoTokenizer
+
+    from dflash_pipeline.data.conversations import message_for_template
+    from dflash_pipeline.data.tokenize import tokenize_shard
+
+    record = {"id": "w1", "tools": TOOLS, "messages": [
+        {"role": "user", "content": "Please use get_weather for Paris."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_x", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_x", "content": '{"temp_c": 21}'},
+        {"role": "assistant", "content": "It is 21 C in Paris."}]}
+    chat = {"id": "c1", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    shard = _ingested(tmp_path, [record, chat])
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen25") as server:
+        for turns in ("first", "all"):
+            out = tmp_path / turns / "c-00000.parquet"
+            run_cli("generate", "--input", shard, "--out", out, *FAST, "--backend", "servers", "--servers",
+                    server.url, "--turns", turns, "--max-new-tokens", "96", "--temperature", "0")
+            rows = {r["source_id"]: r for r in read_completions(out)}
+            assert all(r["status"] == "ok" for r in rows.values()), rows
+            row = rows["w1"]
+            audit = tokenize_shard(str(out), str(tiny_target), str(tmp_path / turns / "t.parquet"),
+                                   str(tmp_path / turns / "a.json"), max_length=4096)
+            assert audit["samples"] == 2 and audit["counts"]["tools_unsupported"] == 0
+            tokens = {r["sample_id"]: r for r in pq.read_table(tmp_path / turns / "t.parquet").to_pylist()}[
+                row["sample_id"]]
+            prompt, output = row["prompt_ids"], row["output_ids"][-1]
+            assert tokens["input_ids"] == prompt + output  # no text round trip
+            assert tokens["loss_mask"] == [0] * len(prompt) + [1] * len(output)
+            stored = [{k: v for k, v in message_for_template(m).items() if k != "reasoning_content"}
+                      for m in row["messages"]]
+            context = stored[:1] if turns == "first" else stored[:3]
+            # the prompt the target saw is the template's rendering of the stored context with the tools
+            rendered = tok.apply_chat_template(context, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+            assert tok.decode(prompt) == rendered and "<tools>" in rendered and '"get_weather"' in rendered
+            call = json.loads(row["messages"][1]["tool_calls"])[0]
+            assert call["function"]["name"] == "get_weather" and set(call["function"]["arguments"]) == {"city"}
+            if turns == "first":
+                supervised = tok.decode(output)
+                assert supervised.endswith("</tool_call><|im_end|>") and "<think>" in supervised
+                assert json.dumps(call["function"]["arguments"]) in supervised  # the call's own tokens train
+            else:
+                assert [m["role"] for m in row["messages"]] == ["user", "assistant", "tool", "assistant"]
+                assert row["messages"][2]["content"] == '{"temp_c": 21}'  # the original result
+                assert row["messages"][2]["tool_call_id"] == call["id"]
+                assert "<tool_response>\n{\"temp_c\": 21}\n</tool_response>" in rendered
