@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -184,21 +185,69 @@ def test_servers_without_a_tool_call_parser_refuse_tool_samples(tmp_path):
                                      "unparsed text: set generate.sglang.tool_call_parser (e.g. qwen25)")
 
 
+CHAT_ONLY_TEMPLATE = ("{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + "
+                      "'<|im_end|>\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}"
+                      "{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
 def test_hf_backend_refuses_tool_samples_in_one_line(tmp_path, tiny_target):
+    """A target whose template has no <tool_call> layout (SmolLM2-like): its tool samples fail with one line."""
+    model = tmp_path / "chat-only-target"
+    shutil.copytree(tiny_target, model)
+    (model / "chat_template.jinja").write_text(CHAT_ONLY_TEMPLATE)
     rows = write_samples(tmp_path / "in.parquet", [conversation("Use get_weather now.", "get_weather")])
     tool_id = rows[-1]["sample_id"]
     out = tmp_path / "s-00000.parquet"
     done = run_cli("generate", "--input", tmp_path / "in.parquet", "--out", out, *FAST, "--backend", "hf",
-                   "--model", tiny_target, "--max-new-tokens", "4")
+                   "--model", model, "--max-new-tokens", "4")
     got = {r["sample_id"]: r for r in read_completions(out)}
     assert all(r["status"] == "ok" for sid, r in got.items() if sid != tool_id)
     reason = got[tool_id]["failure_reason"]
-    assert reason == (f"tools_unsupported: sample {tool_id} has tools or tool calls, which the hf backend does not "
-                      "send or parse; regenerate it with generate.backend: sglang (chat API) and "
+    assert reason == (f"tools_unsupported: sample {tool_id} has tools or tool calls, which the hf backend cannot "
+                      "regenerate (it reads calls only in Qwen's <tool_call> layout, and the target's chat template "
+                      "has none); regenerate it with generate.backend: sglang (chat API) and "
                       "generate.sglang.tool_call_parser set for the target (e.g. qwen25)")
     warned = [line for line in done.stderr.splitlines() if "WARNING" in line and "tools_unsupported" in line]
     assert "\n" not in reason and len(warned) == 1 and reason in warned[0]  # one line, logged once
     assert read_summary(out)["failure_reasons"] == {"tools_unsupported": 1}
+
+
+def test_hf_backend_renders_tools_through_a_qwen_template(tmp_path, tiny_target):
+    """The tiny target's template has Qwen's layout: the prompt carries the tools; its (random) answer calls
+    nothing where the original called get_weather, so turns: all ends the conversation there."""
+    from transformers import AutoTokenizer
+
+    rows = write_samples(tmp_path / "in.parquet", [conversation("Use get_weather now.", "get_weather")], chat_only=1)
+    out = tmp_path / "s-00000.parquet"
+    run_cli("generate", "--input", tmp_path / "in.parquet", "--out", out, *FAST, "--backend", "hf", "--model",
+            tiny_target, "--max-new-tokens", "6", "--temperature", "0", "--turns", "all")
+    row = {r["sample_id"]: r for r in read_completions(out)}[rows[-1]["sample_id"]]
+    assert row["status"] == "ok" and [m["role"] for m in row["messages"]] == ["user", "assistant"]
+    assert row["cut_reason"] == "turn 1: the target called no tool where the original called get_weather"
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    assert tok.decode(row["prompt_ids"]) == tok.apply_chat_template(
+        [{"role": "user", "content": "Use get_weather now."}], tools=TOOLS, tokenize=False, add_generation_prompt=True)
+
+
+def test_qwen_calls_are_parsed_as_sglangs_qwen25_parser_splits_them():
+    from dflash_pipeline.generation.client import Completion, PermanentError
+    from dflash_pipeline.generation.engines import with_tool_calls
+
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "search_web", "arguments": {"query": "rain"}}\n</tool_call>')
+    done = with_tool_calls(Completion(content=text, reasoning=None, finish_reason="stop"), TOOLS)
+    assert done.content == "Let me check."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in done.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("search_web", {"query": "rain"})]
+    assert all(CALL_ID.match(c["id"]) for c in done.tool_calls)
+    cut = with_tool_calls(Completion(content='Hm.\n<tool_call>\n{"name": "get_w', reasoning=None,
+                                     finish_reason="length"), TOOLS)
+    assert (cut.content, cut.tool_calls) == ("Hm.", None)  # a call cut by the budget: the text alone
+    plain = with_tool_calls(Completion(content="<tool_call> is a tag", reasoning=None, finish_reason="stop"), None)
+    assert plain.content == "<tool_call> is a tag" and plain.tool_calls is None  # no tools: nothing parsed
+    with pytest.raises(PermanentError, match="tool call not stored: tool call 0: the <tool_call> block is not JSON"):
+        with_tool_calls(Completion(content="<tool_call>\n{name: f}\n</tool_call>", reasoning=None,
+                                   finish_reason="stop"), TOOLS)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -401,8 +401,12 @@ TOOLS_UNSUPPORTED = "tools_unsupported"
 
 def tools_refusal(sample_id: str, engine) -> str:
     """The one line a sample with tools fails with on an engine that neither sends tools nor parses calls."""
-    which = {"HFEngine": "the hf backend", "SlotEngine": "the hf backend (slot engine)",
-             "HTTPEngine": "the servers' /generate API (api: generate)"}.get(type(engine).__name__, engine.describe())
-    return (f"{TOOLS_UNSUPPORTED}: sample {sample_id} has tools or tool calls, which {which} does not "
-            "send or parse; regenerate it with generate.backend: sglang (chat API) and "
-            "generate.sglang.tool_call_parser set for the target (e.g. qwen25)")
+    hf = ("the hf backend", " (it reads calls only in Qwen's <tool_call> layout, and the target's chat template "
+                            "has none)")
+    which, why = {"HFEngine": hf, "SlotEngine": hf,
+                  "HTTPEngine": ("the servers' /generate API (api: generate)", " (prompts are rendered here without "
+                                                                                 "tools)")
+                  }.get(type(engine).__name__, (engine.describe(), ""))
+    return (f"{TOOLS_UNSUPPORTED}: sample {sample_id} has tools or tool calls, which {which} cannot regenerate"
+            f"{why}; regenerate it with generate.backend: sglang (chat API) and generate.sglang.tool_call_parser "
+            "set for the target (e.g. qwen25)")

@@ -25,7 +25,9 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.generation.client import (
     Completion, ContextFull, FatalError, PermanentError, RejectedError, TransientError, split_reasoning,
 )
-from dflash_pipeline.generation.tool_calls import ToolCallError, parse_tool_calls
+from dflash_pipeline.generation.tool_calls import (
+    QWEN_CALL_MARK, ToolCallError, parse_tool_calls, qwen_tool_calls, template_messages,
+)
 from dflash_pipeline.storage import redact_credentials
 
 LOG = logging.getLogger(__name__)
@@ -438,6 +440,17 @@ class HTTPEngine:
                           output_ids=token_ids(data.get("output_ids")), prompt_ids=list(prompt_ids))
 
 
+def with_tool_calls(result: Completion, tools: list | None) -> Completion:
+    """An in-process answer with its Qwen-style calls parsed (only when the request had tools, as SGLang)."""
+    if not tools:
+        return result
+    try:
+        result.content, result.tool_calls = qwen_tool_calls(result.content)
+    except ToolCallError as exc:
+        raise PermanentError(f"tool call not stored: {exc}") from None
+    return result
+
+
 def chat_renderer(model_dir: str, trust_remote_code: bool = False):
     """render(messages, enable_thinking) -> the prompt's token ids, with the target's chat template."""
     tok = target.load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
@@ -605,19 +618,26 @@ class HFEngine:
             except (asyncio.TimeoutError, Exception):
                 self._task.cancel()
 
-    def render(self, messages: list[dict], enable_thinking: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  enable_thinking=enable_thinking)
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Tools are rendered and calls parsed here only in the one layout this engine reads, Qwen's
+        `<tool_call>` JSON blocks (Qwen2.5/Qwen3 templates); a target whose template has none is refused."""
+        template = getattr(self.tokenizer, "chat_template", None) if self.model is not None else None
+        return isinstance(template, str) and QWEN_CALL_MARK in template
+
+    def render(self, messages: list[dict], enable_thinking: bool, tools: list | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(template_messages(messages), tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=True, enable_thinking=enable_thinking)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    async def complete(self, messages, params, max_new_tokens: int) -> Completion:
-        ids = self.render(messages, params.enable_thinking)
+    async def complete(self, messages, params, max_new_tokens: int, tools: list | None = None) -> Completion:
+        ids = self.render(messages, params.enable_thinking, tools)
         budget = capped_budget(len(ids), max_new_tokens, self.context_length)
         future = asyncio.get_running_loop().create_future()
         self._in_flight += 1
         try:
             await self._queue.put((ids, budget, params, future))
-            return await future
+            return with_tool_calls(await future, tools)
         finally:
             self._in_flight -= 1
 

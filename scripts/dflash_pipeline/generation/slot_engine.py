@@ -16,7 +16,7 @@ import threading
 import time
 
 from dflash_pipeline.generation.client import Completion
-from dflash_pipeline.generation.engines import HFEngine, capped_budget
+from dflash_pipeline.generation.engines import HFEngine, capped_budget, with_tool_calls
 
 LOG = logging.getLogger(__name__)
 LOG_EVERY_S = 30.0
@@ -83,12 +83,12 @@ class SlotEngine(HFEngine):
             self._inbox.put(None)
             await asyncio.to_thread(self._thread.join, 60)
 
-    async def complete(self, messages, params, max_new_tokens: int) -> Completion:
+    async def complete(self, messages, params, max_new_tokens: int, tools: list | None = None) -> Completion:
         from dflash_pipeline.generation.slot_decode import Request
 
         if self._failure is not None:
             raise self._failure
-        ids = self.render(messages, params.enable_thinking)
+        ids = self.render(messages, params.enable_thinking, tools)
         budget = capped_budget(len(ids), max_new_tokens, self.context_length)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -97,7 +97,7 @@ class SlotEngine(HFEngine):
         self._in_flight += 1
         try:
             self._inbox.put(req)
-            return await future
+            return with_tool_calls(await future, tools)
         finally:
             self._in_flight -= 1
 

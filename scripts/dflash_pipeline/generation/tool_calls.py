@@ -11,9 +11,15 @@ Wire form (OpenAI chat API, as SGLang 0.5.23's `protocol.ToolCall` / `FunctionRe
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 
 from dflash_pipeline.data.conversations import tool_calls_of
+
+# Qwen2.5 / Qwen3 templates: a call is `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` after the text
+QWEN_CALL_MARK = "<tool_call>"
+_QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 class ToolCallError(ValueError):
@@ -68,6 +74,44 @@ def parse_tool_calls(raw) -> list[dict] | None:
         calls.append({"id": str(call.get("id") or f"call_{k}"), "type": "function",
                       "function": {"name": fn["name"], "arguments": args}})
     return calls
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Wire messages as a chat template takes them: call arguments given as JSON text become objects (SGLang
+    0.5.23 does the same before rendering); chat-only messages are returned as they are."""
+    if not any(m.get("tool_calls") for m in messages):
+        return messages
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
+                c["function"]["arguments"]) if isinstance(c["function"]["arguments"], str)
+                else c["function"]["arguments"]}} for c in m["tool_calls"]]}
+        out.append(m)
+    return out
+
+
+def qwen_tool_calls(text: str) -> tuple[str, list[dict] | None]:
+    """(content, calls in the stored form) of an answer in Qwen's layout, split as SGLang 0.5.23's qwen25 parser
+    does: the content is the text before the first call, stripped; no complete block (an answer cut inside its
+    call): the content alone. Unlike SGLang, which drops a block that is not JSON, such a block is a
+    ToolCallError: the sample fails with the reason instead of losing the call silently."""
+    at = text.find(QWEN_CALL_MARK)
+    if at == -1:
+        return text, None
+    raw = []
+    for k, block in enumerate(_QWEN_CALL.findall(text[at:])):
+        try:
+            obj = json.loads(block)
+        except ValueError as exc:
+            raise ToolCallError(f"tool call {k}: the <tool_call> block is not JSON ({getattr(exc, 'msg', exc)}): "
+                                f"{block[:80]!r}") from None
+        if not isinstance(obj, dict):
+            raise ToolCallError(f"tool call {k}: the <tool_call> block is a {type(obj).__name__}, not an object")
+        digest = hashlib.blake2b(f"{k}:{block}".encode(), digest_size=12).hexdigest()
+        raw.append({"id": f"call_{digest}", "type": "function",
+                    "function": {"name": obj.get("name"), "arguments": obj.get("arguments", obj.get("parameters"))}})
+    return text[:at].strip(), parse_tool_calls(raw)
 
 
 def called_names(calls) -> list[str]:
