@@ -212,7 +212,8 @@ def test_hf_backend_refuses_tool_samples_in_one_line(tmp_path, tiny_target):
     assert read_summary(out)["failure_reasons"] == {"tools_unsupported": 1}
 
 
-def test_hf_backend_renders_tools_through_a_qwen_template(tmp_path, tiny_target):
+@pytest.mark.parametrize("engine", ["generate", "slots"])
+def test_hf_backend_renders_tools_through_a_qwen_template(tmp_path, tiny_target, engine):
     """The tiny target's template has Qwen's layout: the prompt carries the tools; its (random) answer calls
     nothing where the original called get_weather, so turns: all ends the conversation there."""
     from transformers import AutoTokenizer
@@ -220,7 +221,8 @@ def test_hf_backend_renders_tools_through_a_qwen_template(tmp_path, tiny_target)
     rows = write_samples(tmp_path / "in.parquet", [conversation("Use get_weather now.", "get_weather")], chat_only=1)
     out = tmp_path / "s-00000.parquet"
     run_cli("generate", "--input", tmp_path / "in.parquet", "--out", out, *FAST, "--backend", "hf", "--model",
-            tiny_target, "--max-new-tokens", "6", "--temperature", "0", "--turns", "all")
+            tiny_target, "--engine", engine, "--batch-size", "4", "--max-new-tokens", "6", "--temperature", "0",
+            "--turns", "all")
     row = {r["sample_id"]: r for r in read_completions(out)}[rows[-1]["sample_id"]]
     assert row["status"] == "ok" and [m["role"] for m in row["messages"]] == ["user", "assistant"]
     assert row["cut_reason"] == "turn 1: the target called no tool where the original called get_weather"
