@@ -354,3 +354,17 @@ def test_ingest_generate_tokenize_keeps_the_targets_call_tokens(tmp_path, tiny_t
                 assert row["messages"][2]["content"] == '{"temp_c": 21}'  # the original result
                 assert row["messages"][2]["tool_call_id"] == call["id"]
                 assert "<tool_response>\n{\"temp_c\": 21}\n</tool_response>" in rendered
+
+
+def test_a_shard_written_before_tool_calling_reads_with_null_tool_fields(tmp_path):
+    from dflash_pipeline.generation.shards import ShardJob
+
+    old = pa.schema([("sample_id", pa.string()), ("source", pa.string()), ("source_id", pa.string()),
+                     ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()),
+                                                      ("reasoning_content", pa.string())])))])
+    pq.write_table(pa.Table.from_pylist([{"sample_id": "a", "source": "s", "source_id": None, "messages": [
+        {"role": "user", "content": "hi", "reasoning_content": None}]}], schema=old), tmp_path / "old.parquet")
+    job = ShardJob(str(tmp_path / "old.parquet"), str(tmp_path / "o.parquet"), tmp_path / "j.jsonl", None)
+    assert job.rows == [{"sample_id": "a", "source": "s", "source_id": None, "messages": [msg("user", "hi")],
+                         "tools": None}]
+    assert chat_messages(job.rows[0]["messages"]) == [{"role": "user", "content": "hi"}]
