@@ -82,7 +82,7 @@ def test_pipeline_through_slurm_profile(slurm_cluster, tmp_path, tiny_target):
         "--slurm-status-command", "squeue",                # ... so jobs are tracked with squeue
         # the plugin checks after this many seconds, then 10 s later than the last time while no job ended:
         # from 1, a job of 12-33 s (most here: a Snakemake start-up plus the stage) was seen at 33 s; from 20, at 20
-        "--slurm-init-seconds-before-status-checks", "20",
+        "--slurm-init-seconds-before-status-checks", "1",  # the poll waits this long after each finished job
         "--max-status-checks-per-second", "1", "--latency-wait", "10", "--jobs", "6",
         profile="profiles/slurm", configfiles=("tiny.yaml", "slurm.yaml"), env=workflow_env(), timeout=1100,
     )
