@@ -2,7 +2,9 @@
 results in OpenAI's form, the SGLang stand-in answers calls in SGLang 0.5.23's shape (launched through the sglang
 backend with --tool-call-parser), calls are stored parsed; `turns: all` keeps the original tool results and cuts
 the conversation where the target calls other tools; malformed arguments fail with their reason; the hf backend
-refuses tool samples in one line."""
+refuses tool samples in one line where the template has no tool layout. End to end: an OpenAI and a ShareGPT
+(LLaMA-Factory) tool-calling record go through ingest -> generate (stand-in SGLang; hf) -> tokenize -> extract ->
+offline train, the masks checked against the template's rendering."""
 
 from __future__ import annotations
 
@@ -288,72 +290,186 @@ def test_messages_on_the_wire_and_calls_parsed_back():
 
 
 # ------------------------------------------------------------------------------------------------------
-def _ingested(tmp_path, records) -> str:
-    """An OpenAI-style tool-calling record (and a chat one) through ingest and the manifest's shard writer."""
+# Both raw shapes end to end: ingest -> generate (stand-in SGLang; hf) -> tokenize -> extract -> train.
+OPENAI_RECORD = {"id": "w1", "tools": TOOLS, "messages": [
+    {"role": "user", "content": "Please use get_weather for Paris."},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_x", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_x", "content": '{"temp_c": 21}'},
+    {"role": "assistant", "content": "It is 21 C in Paris."}]}
+SHAREGPT_RECORD = {"id": "s1", "tools": json.dumps([TOOLS[0]["function"]]), "conversations": [  # LLaMA-Factory
+    {"from": "human", "value": "How warm is it in Rome? Ask get_weather."},
+    {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Rome"}}'},
+    {"from": "observation", "value": '{"temp_c": 25}'},
+    {"from": "gpt", "value": "It is 25 C in Rome."}]}
+CHAT_RECORD = {"id": "c1", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+RESULTS = {"w1": '{"temp_c": 21}', "s1": '{"temp_c": 25}'}  # each tool record's original tool result
+LEGS = ("first", "all", "hf")  # the stand-in SGLang with --turns first / all; the hf backend (turns: first)
+
+
+def _ingested(root, records) -> str:
+    """Raw records (both tool shapes and a chat one in one JSONL) through ingest and the manifest's writer."""
     from dflash_pipeline.data.ingest import ingest_file
     from dflash_pipeline.data.manifest import write_shard as write_manifest_shard
 
-    raw = tmp_path / "raw.jsonl"
+    raw = root / "raw.jsonl"
     raw.write_text("".join(json.dumps(r) + "\n" for r in records))
-    stats = ingest_file(str(raw), str(tmp_path / "r.parquet"), str(tmp_path / "s.json"), str(tmp_path / "q.jsonl"))
-    assert stats["kept"] == len(records), stats
+    stats = ingest_file(str(raw), str(root / "r.parquet"), str(root / "s.json"), str(root / "q.jsonl"))
+    assert stats["kept"] == len(records) and stats["tool_calls"]["samples"] == 2, stats
     spec = {"shard": 0, "rows": [0, stats["kept"]], "drop": [], "samples": stats["kept"]}
-    write_manifest_shard(str(tmp_path / "r.parquet"), spec, str(tmp_path / "shard.parquet"))
-    return str(tmp_path / "shard.parquet")
+    write_manifest_shard(str(root / "r.parquet"), spec, str(root / "shard.parquet"))
+    return str(root / "shard.parquet")
 
 
-def test_ingest_generate_tokenize_keeps_the_targets_call_tokens(tmp_path, tiny_target):
-    """A raw OpenAI tool-calling record -> ingest -> generate (the stand-in backed by the tiny target, its
-    template rendering the tools, --tool-call-parser qwen25) -> tokenize: the token row is the target's own
-    stream; the prompt (tools' schema, the user turn; with turns: all also the call and the original tool
-    result) is unsupervised, the generated turn (turns: first: the call, <|im_end|> included) supervised."""
+@pytest.fixture(scope="module")
+def regenerated(tiny_target, tmp_path_factory):
+    """The three records through ingest, then each leg of LEGS (generate, tokenize) into root/<leg>/: the
+    completions c-00000.parquet, the token shard t.parquet and its audit (returned per leg)."""
+    from dflash_pipeline.data.tokenize import ShardTokenizer
+
+    root = tmp_path_factory.mktemp("tool-pipeline")
+    shard = _ingested(root, [OPENAI_RECORD, SHAREGPT_RECORD, CHAT_RECORD])
+    common = ["--input", shard, *FAST, "--max-new-tokens", "96", "--temperature", "0"]
+    with pytest.MonkeyPatch.context() as mp:  # module scope: before the autouse _no_hub fixture
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("TRANSFORMERS_OFFLINE", "1")
+        with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen25") as server:
+            for turns in ("first", "all"):
+                run_cli("generate", *common, "--out", root / turns / "c-00000.parquet", "--backend", "servers",
+                        "--servers", server.url, "--turns", turns)
+        run_cli("generate", *common, "--out", root / "hf" / "c-00000.parquet", "--backend", "hf", "--model",
+                tiny_target, "--turns", "first", "--max-new-tokens", "8")
+        tokenizer = ShardTokenizer(str(tiny_target), 4096, True, 256, 6, False)
+        audits = {leg: tokenizer.shard(str(root / leg / "c-00000.parquet"), str(root / leg / "t.parquet"),
+                                       str(root / leg / "a.json")) for leg in LEGS}
+    return root, audits
+
+
+def _leg_rows(root, leg: str) -> tuple[dict, dict]:
+    """(completions by source id, token rows by sample id) of one leg."""
+    completions = {r["source_id"]: r for r in read_completions(root / leg / "c-00000.parquet")}
+    tokens = {r["sample_id"]: r for r in pq.read_table(root / leg / "t.parquet").to_pylist()}
+    return completions, tokens
+
+
+def _assert_the_targets_stream(row: dict, tokens: dict, tok, turns: str) -> str:
+    """The token row is the target's own stream: the prompt (the template's rendering of the stored context
+    with the sample's tools) unsupervised, the last generated turn supervised; returns the rendered prompt."""
+    from dflash_pipeline.data.conversations import message_for_template
+
+    assert row["status"] == "ok", row
+    prompt, output = row["prompt_ids"], row["output_ids"][-1]
+    token_row = tokens[row["sample_id"]]
+    assert token_row["input_ids"] == prompt + output  # no text round trip
+    assert token_row["loss_mask"] == [0] * len(prompt) + [1] * len(output)
+    stored = [{k: v for k, v in message_for_template(m).items() if k != "reasoning_content"}
+              for m in row["messages"]]
+    context = stored[:1] if turns == "first" else stored[:3]
+    rendered = tok.apply_chat_template(context, tools=json.loads(row["tools"]), tokenize=False,
+                                       add_generation_prompt=True)
+    assert tok.decode(prompt) == rendered and "<tools>" in rendered and '"get_weather"' in rendered
+    return rendered
+
+
+def test_ingest_generate_tokenize_keeps_the_targets_call_tokens(regenerated, tiny_target):
+    """Both raw shapes (OpenAI messages with tool_calls / tool turns / tools; ShareGPT function_call /
+    observation with tools as a JSON string of bare schemas) -> ingest -> generate (the stand-in backed by the
+    tiny target, its template rendering the tools, --tool-call-parser qwen25) -> tokenize: the token row is the
+    target's own stream; the prompt (tools' schema, the user turn; with turns: all also the call and the
+    original tool result) is unsupervised, the generated turn (turns: first: the call, <|im_end|> included;
+    turns: all: the final answer) supervised."""
     from transformers import AutoTokenizer
 
-    from dflash_pipeline.data.conversations import message_for_template
-    from dflash_pipeline.data.tokenize import tokenize_shard
-
-    record = {"id": "w1", "tools": TOOLS, "messages": [
-        {"role": "user", "content": "Please use get_weather for Paris."},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_x", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_x", "content": '{"temp_c": 21}'},
-        {"role": "assistant", "content": "It is 21 C in Paris."}]}
-    chat = {"id": "c1", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
-    shard = _ingested(tmp_path, [record, chat])
+    root, audits = regenerated
     tok = AutoTokenizer.from_pretrained(tiny_target)
-    with SGLangTestServer(tiny_target, "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen25") as server:
-        for turns in ("first", "all"):
-            out = tmp_path / turns / "c-00000.parquet"
-            run_cli("generate", "--input", shard, "--out", out, *FAST, "--backend", "servers", "--servers",
-                    server.url, "--turns", turns, "--max-new-tokens", "96", "--temperature", "0")
-            rows = {r["source_id"]: r for r in read_completions(out)}
-            assert all(r["status"] == "ok" for r in rows.values()), rows
-            row = rows["w1"]
-            audit = tokenize_shard(str(out), str(tiny_target), str(tmp_path / turns / "t.parquet"),
-                                   str(tmp_path / turns / "a.json"), max_length=4096)
-            assert audit["samples"] == 2 and audit["counts"]["tools_unsupported"] == 0
-            tokens = {r["sample_id"]: r for r in pq.read_table(tmp_path / turns / "t.parquet").to_pylist()}[
-                row["sample_id"]]
-            prompt, output = row["prompt_ids"], row["output_ids"][-1]
-            assert tokens["input_ids"] == prompt + output  # no text round trip
-            assert tokens["loss_mask"] == [0] * len(prompt) + [1] * len(output)
-            stored = [{k: v for k, v in message_for_template(m).items() if k != "reasoning_content"}
-                      for m in row["messages"]]
-            context = stored[:1] if turns == "first" else stored[:3]
-            # the prompt the target saw is the template's rendering of the stored context with the tools
-            rendered = tok.apply_chat_template(context, tools=TOOLS, tokenize=False, add_generation_prompt=True)
-            assert tok.decode(prompt) == rendered and "<tools>" in rendered and '"get_weather"' in rendered
+    for turns in ("first", "all"):
+        assert audits[turns]["samples"] == 3 and audits[turns]["counts"]["tools_unsupported"] == 0
+        completions, tokens = _leg_rows(root, turns)
+        assert completions["c1"]["status"] == "ok" and completions["c1"]["sample_id"] in tokens
+        for source_id, result in RESULTS.items():
+            row = completions[source_id]
+            rendered = _assert_the_targets_stream(row, tokens, tok, turns)
             call = json.loads(row["messages"][1]["tool_calls"])[0]
             assert call["function"]["name"] == "get_weather" and set(call["function"]["arguments"]) == {"city"}
+            supervised = tok.decode(row["output_ids"][-1])
             if turns == "first":
-                supervised = tok.decode(output)
                 assert supervised.endswith("</tool_call><|im_end|>") and "<think>" in supervised
                 assert json.dumps(call["function"]["arguments"]) in supervised  # the call's own tokens train
             else:
                 assert [m["role"] for m in row["messages"]] == ["user", "assistant", "tool", "assistant"]
-                assert row["messages"][2]["content"] == '{"temp_c": 21}'  # the original result
-                assert row["messages"][2]["tool_call_id"] == call["id"]
-                assert "<tool_response>\n{\"temp_c\": 21}\n</tool_response>" in rendered
+                assert row["messages"][2]["content"] == result and row["messages"][2]["tool_call_id"] == call["id"]
+                assert f"<tool_response>\n{result}\n</tool_response>" in rendered
+                assert row["messages"][3]["tool_calls"] is None and row["output_ids"][-1]  # an answer, no call
+
+
+def test_hf_backend_gives_tool_samples_of_both_shapes_a_token_row(regenerated, tiny_target):
+    """The hf backend on the same shard (turns: first): the tool samples' prompts carry their tools through the
+    target's template and each gets a token row, prompt + output supervised on the output. The random tiny
+    target writes no call (its calls are parsed in test_qwen_calls_are_parsed_as_sglangs_qwen25_parser_splits_
+    them on written answers), so this checks the tool prompt and the token row, not a regenerated call."""
+    from transformers import AutoTokenizer
+
+    root, audits = regenerated
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    assert audits["hf"]["samples"] == 3 and audits["hf"]["counts"]["tools_unsupported"] == 0
+    completions, tokens = _leg_rows(root, "hf")
+    assert set(tokens) == {r["sample_id"] for r in completions.values()}
+    for source_id in RESULTS:
+        row = completions[source_id]
+        _assert_the_targets_stream(row, tokens, tok, "first")
+        assert row["generated_turns"] == 1 and 1 <= len(row["output_ids"][-1]) <= 8
+
+
+def test_regenerated_tool_samples_extract_and_train(regenerated, tiny_target, capsys):
+    """The legs' token shards -> `extract` (one process, the tiny target's hidden states of a 1-layer drafter's
+    layers): each hidden shard holds exactly its token shard's rows, ids and loss masks (the tool rows
+    supervised on the call's tokens with turns: first, on the answer with turns: all), hidden states finite
+    and of the target's width -> `train --mode offline` for 2 steps on the turns: first shard (the call
+    tokens and the chat answer): finite losses on supervised positions, a drafter written."""
+    import math
+
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from dflash_pipeline.cli import main as cli_main
+    from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
+
+    root, _ = regenerated
+    hidden = {leg: root / leg / "h.dfhs" for leg in LEGS}
+    assert cli_main(["extract", "--tokens", *(str(root / leg / "t.parquet") for leg in LEGS), "--model",
+                     str(tiny_target), "--out", *map(str, hidden.values()), "--drafter-config", '{"num_layers": 1}',
+                     "--codec", "raw", "--dtype", "float32", "--device", "cpu", "--encode-threads", "1"]) == 0
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    for leg in LEGS:
+        completions, tokens = _leg_rows(root, leg)
+        reader = HiddenStateShardReader(hidden[leg])
+        assert sorted(reader.sample_ids) == sorted(tokens) and reader.metadata["hidden_size"] == 128
+        for sid, token_row in tokens.items():
+            got = reader.read(reader.index_of(sid))
+            assert got["input_ids"].tolist() == token_row["input_ids"]
+            assert got["loss_mask"].tolist() == token_row["loss_mask"]
+            assert got["hidden"].shape[0] == len(token_row["input_ids"]) and got["hidden"].shape[-1] == 128
+            assert bool(np.isfinite(np.asarray(got["hidden"], dtype=np.float32)).all())
+        if leg == "first":  # the tool rows' supervised positions are the target's call, nothing of the prompt
+            for source_id in RESULTS:
+                got = reader.read(reader.index_of(completions[source_id]["sample_id"]))
+                supervised = tok.decode([t for t, m in zip(got["input_ids"].tolist(), got["loss_mask"]) if m])
+                assert supervised == tok.decode(completions[source_id]["output_ids"][-1])
+                assert '"name": "get_weather"' in supervised and supervised.endswith("</tool_call><|im_end|>")
+    out, ckpt = root / "drafter", root / "ckpt"
+    assert cli_main(["train", "--mode", "offline", "--inputs", str(hidden["first"]), "--model", str(tiny_target),
+                     "--out", str(out), "--checkpoint-dir", str(ckpt), "--num-layers", "1", "--block-size", "8",
+                     "--num-anchors", "8", "--batch-size", "3", "--max-steps", "2", "--lr", "3e-3", "--log-every",
+                     "1", "--max-length", "1024", "--acceptance-every", "0", "--device", "cpu"]) == 0
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in logged)
+    assert all(r["count_per_position"][1] == 3 * 8 for r in logged)  # each step: the 3 rows' 8 anchor blocks
+    weights = load_file(str(out / "drafter.safetensors"))
+    assert weights and all(bool(w.float().isfinite().all()) for w in weights.values())
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["steps"], summary["samples"], summary["mode"]) == (2, 3, "offline")
 
 
 def test_a_shard_written_before_tool_calling_reads_with_null_tool_fields(tmp_path):
