@@ -11,12 +11,12 @@ import pytest
 import yaml
 
 from conftest import REPO, run_cli
+from data_fixtures import tokenized_audits
 from dflash_pipeline.data.audit import build_report, write_html
 from dflash_pipeline.demo.data import write_demo
 from dflash_pipeline.data.ingest import ingest_file
-from dflash_pipeline.data.manifest import build_manifest, write_shard
+from dflash_pipeline.data.manifest import build_manifest
 from dflash_pipeline.storage import write_json
-from dflash_pipeline.data.tokenize import tokenize_shard
 from workflow_runs import make_workdir
 from workflow_runs import snakemake as run_workflow
 
@@ -25,19 +25,7 @@ def prepare(tmp: Path, tiny_target: Path, placeholder_rate: float, mode: str, re
     """ingest -> manifest -> shards -> tokenize -> audit in-process (fast); the gate through the CLI."""
     raw = tmp / "raw"
     write_demo(raw, records, placeholder_rate)
-    records_, stats = [], []
-    for f in sorted(raw.iterdir()):
-        src = f.name.split(".")[0]
-        ingest_file(str(f), str(tmp / f"{src}.parquet"), str(tmp / f"{src}.stats.json"), str(tmp / f"{src}.q.jsonl"))
-        records_.append(str(tmp / f"{src}.parquet"))
-        stats.append(str(tmp / f"{src}.stats.json"))
-    write_json(tmp / "manifest.json", build_manifest(records_, stats, shard_size=1000))
-    audits = []
-    for s in json.loads((tmp / "manifest.json").read_text())["shards"]:
-        write_shard(str(tmp / f"{s['src']}.parquet"), s, str(tmp / f"{s['shard']}.parquet"))
-        tokenize_shard(str(tmp / f"{s['shard']}.parquet"), str(tiny_target), str(tmp / f"{s['shard']}.tokens.parquet"),
-                       str(tmp / f"{s['shard']}.audit.json"), max_length=1024, trivial_tokens=8)
-        audits.append(str(tmp / f"{s['shard']}.audit.json"))
+    audits = tokenized_audits(sorted(raw.iterdir()), tmp, tiny_target, max_length=1024, trivial_tokens=8)
     thresholds = yaml.safe_load((REPO / "config/config.yaml").read_text())["audit"]
     report = build_report(audits, str(tmp / "manifest.json"), thresholds, mode, "source")
     write_html(report, str(tmp / "report.html"))

@@ -5,26 +5,13 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from data_fixtures import supervised_runs
 from dflash_pipeline.data.chat_masking import ChatMasker
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_target):
     return AutoTokenizer.from_pretrained(tiny_target)
-
-
-def supervised_runs(tokenizer, sample) -> list[str]:
-    """Decode each contiguous run of supervised tokens."""
-    runs, current = [], []
-    for tid, m in zip(sample.input_ids, sample.loss_mask):
-        if m:
-            current.append(tid)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tokenizer.decode(r) for r in runs]
 
 
 def check_partition(tokenizer, sample):

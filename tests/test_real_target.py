@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import require_packages
+from data_fixtures import supervised_runs
 from dflash_pipeline import package_paths
 from dflash_pipeline.data.chat_masking import ChatMasker
 from dflash_pipeline.data.tokenize import control_token_pattern, forged_turn
@@ -57,17 +58,6 @@ def test_imported_weights_answer_sensibly(tokenizer, model):
     assert "Paris" in answer, answer
 
 
-def _supervised_runs(tokenizer, sample) -> list[str]:
-    runs, current = [], []
-    for tid, m in zip(sample.input_ids + [None], sample.loss_mask + [0]):
-        if m:
-            current.append(tid)
-        elif current:
-            runs.append(tokenizer.decode(current))
-            current = []
-    return runs
-
-
 def test_chatml_masks_with_the_default_system_line(tokenizer):
     conv = [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5."},
             {"role": "user", "content": "Double it?"}, {"role": "assistant", "content": "It is 10."}]
@@ -76,7 +66,7 @@ def test_chatml_masks_with_the_default_system_line(tokenizer):
     # the template adds SmolLM's system line when the conversation has none; it is never supervised
     assert sample.text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
                                   "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2 plus 3?")
-    assert _supervised_runs(tokenizer, sample) == ["5.<|im_end|>", "It is 10.<|im_end|>"]
+    assert supervised_runs(tokenizer, sample) == ["5.<|im_end|>", "It is 10.<|im_end|>"]
     # no BOS is prepended (the GGUF says add_bos_token false): the rendering is the tokens
     assert sample.input_ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
 

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from data_fixtures import supervised_runs, tokenized_audits
 from dflash_pipeline.data.chat_masking import ChatMasker
 from dflash_pipeline.data.conversations import (
     MESSAGE_TYPE,
@@ -273,17 +274,6 @@ def normalized(record) -> tuple[list[dict], list | None]:
     return messages, sample_tools({"tools": tools})
 
 
-def supervised_runs(tokenizer, sample) -> list[str]:
-    runs, current = [], []
-    for tid, m in zip(sample.input_ids + [None], sample.loss_mask + [0]):
-        if m:
-            current.append(tid)
-        elif current:
-            runs.append(tokenizer.decode(current))
-            current = []
-    return runs
-
-
 def char_mask(text: str, supervised: list[str]) -> list[int]:
     """1 on the characters of each expected supervised piece, found in order in the text."""
     mask, at = [0] * len(text), 0
@@ -443,31 +433,15 @@ def _audited(tmp_path, tokenizer_dir, minimum):
 
     from conftest import REPO
     from dflash_pipeline.data.audit import build_report, write_html
-    from dflash_pipeline.data.ingest import ingest_file
-    from dflash_pipeline.data.manifest import build_manifest, write_shard
-    from dflash_pipeline.data.tokenize import tokenize_shard
-    from dflash_pipeline.storage import write_json
 
     files = {"agentic": [openai_record(), sharegpt_record(), CHAT, openai_record(),  # the last one: a duplicate
                          MALFORMED[0][1], MALFORMED[2][1]],
              "chat": [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Question {i}?"},
                                                     {"role": "assistant", "content": f"Answer {i}."}]}
                       for i in range(5)]}
-    records, stats = [], []
     for src, rows in files.items():
         (tmp_path / f"{src}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        ingest_file(str(tmp_path / f"{src}.jsonl"), str(tmp_path / f"{src}.parquet"),
-                    str(tmp_path / f"{src}.stats.json"), str(tmp_path / f"{src}.q.jsonl"))
-        records.append(str(tmp_path / f"{src}.parquet"))
-        stats.append(str(tmp_path / f"{src}.stats.json"))
-    write_json(tmp_path / "manifest.json", build_manifest(records, stats, shard_size=1000))
-    audits = []
-    for s in json.loads((tmp_path / "manifest.json").read_text())["shards"]:
-        write_shard(str(tmp_path / f"{s['src']}.parquet"), s, str(tmp_path / f"{s['shard']}.parquet"))
-        tokenize_shard(str(tmp_path / f"{s['shard']}.parquet"), str(tokenizer_dir),
-                       str(tmp_path / f"{s['shard']}.t.parquet"), str(tmp_path / f"{s['shard']}.audit.json"),
-                       max_length=4096)
-        audits.append(str(tmp_path / f"{s['shard']}.audit.json"))
+    audits = tokenized_audits([tmp_path / f"{src}.jsonl" for src in files], tmp_path, tokenizer_dir, max_length=4096)
     thresholds = {**yaml.safe_load((REPO / "config/config.yaml").read_text())["audit"], "min_samples": 1,
                   "max_quarantine_fraction": 1.0, "max_duplicate_fraction": 1.0, "max_trivial_fraction": 1.0}
     if minimum is not None:
