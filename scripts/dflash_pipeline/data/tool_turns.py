@@ -27,6 +27,28 @@ def _json_error(exc: Exception) -> str:
     return exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)[:200]
 
 
+class ArgumentsError(ValueError):
+    """A call's arguments that cannot be stored; the message is the reason ("arguments are not JSON (...)")."""
+
+    def __init__(self, reason: str, not_json: bool):
+        super().__init__(reason)
+        self.not_json = not_json
+
+
+def call_arguments(args) -> dict:
+    """A call's arguments in the stored form, a JSON object: JSON text is parsed, empty text and None are no
+    arguments. The one rule for ingested calls and for calls a server answers (generation/tool_calls.py)."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (ValueError, RecursionError) as exc:
+            raise ArgumentsError(f"arguments are not JSON ({_json_error(exc)})", not_json=True) from None
+    args = {} if args is None else args
+    if not isinstance(args, dict):
+        raise ArgumentsError(f"arguments are not a JSON object (a {type(args).__name__})", not_json=False)
+    return args
+
+
 def parse_tools(raw) -> list | None:
     """The record's `tools` as a list of `{"type": "function", "function": {...}}` (None when absent/empty)."""
     if raw is None or raw == "" or raw == []:
@@ -90,17 +112,10 @@ class ToolCalls:
         if self.names is not None and name not in self.names:
             raise RecordRejected(f"turn {i}: calls tool {name!r}, not in the record's tools "
                                  f"({', '.join(self.names)})")
-        args = fn.get("arguments", fn.get("parameters"))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except (ValueError, RecursionError) as exc:
-                raise RecordRejected(f"turn {i}: the call to {name!r}: arguments are not JSON "
-                                     f"({_json_error(exc)})") from None
-        args = {} if args is None else args
-        if not isinstance(args, dict):
-            raise RecordRejected(f"turn {i}: the call to {name!r}: arguments are not a JSON object "
-                                 f"(a {type(args).__name__})")
+        try:
+            args = call_arguments(fn.get("arguments", fn.get("parameters")))
+        except ArgumentsError as exc:
+            raise RecordRejected(f"turn {i}: the call to {name!r}: {exc}") from None
         call_id = call_id if isinstance(call_id, str) and call_id else f"call_{i}_{k}"
         self.calls[call_id] = name
         self.pending.append(call_id)

@@ -16,6 +16,7 @@ import json
 import re
 
 from dflash_pipeline.data.conversations import tool_calls_of
+from dflash_pipeline.data.tool_turns import ArgumentsError, call_arguments
 
 # Qwen2.5 / Qwen3 templates: a call is `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` after the text
 QWEN_CALL_MARK = "<tool_call>"
@@ -59,18 +60,12 @@ def parse_tool_calls(raw) -> list[dict] | None:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ToolCallError(f"tool call {k} has no function name")
-        args = fn.get("arguments")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError as exc:
-                raise ToolCallError(f"tool call {k} ({fn['name']}): arguments are not JSON "
-                                    f"({getattr(exc, 'msg', exc)}): {args[:80]!r}") from None
-        if args is None:
-            args = {}
-        if not isinstance(args, dict):
-            raise ToolCallError(f"tool call {k} ({fn['name']}): arguments are not a JSON object "
-                                f"(a {type(args).__name__})")
+        raw_args = fn.get("arguments")
+        try:
+            args = call_arguments(raw_args)
+        except ArgumentsError as exc:  # the text itself, when it is not JSON: what the target wrote
+            raise ToolCallError(f"tool call {k} ({fn['name']}): {exc}"
+                                + (f": {raw_args[:80]!r}" if exc.not_json else "")) from None
         calls.append({"id": str(call.get("id") or f"call_{k}"), "type": "function",
                       "function": {"name": fn["name"], "arguments": args}})
     return calls
