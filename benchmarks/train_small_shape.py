@@ -20,7 +20,11 @@ MFU is set against a bf16 8192^3 matmul measured in the same run (and the 790 TF
 
     PYTHONPATH=scripts python benchmarks/train_small_shape.py [--budget-s 200] [--variants ...]
     PYTHONPATH=scripts python benchmarks/train_small_shape.py --tiny     # CPU smoke test of this script
-Variant words (joined by +): padded|packed, eager|compile, b<batch>, c<head_chunk>, sdpa|flex, sharegpt|full.
+Variant words (joined by +): padded|packed, eager|compile, b<batch>, c<head_chunk>, sdpa|flex|split,
+sharegpt|full, a<n> (packed: every sample starts at a multiple of n tokens, a128: on a key tile).
+`split` (drafter/split_attention.py) is first checked against the one-mask path (flex on GPU, SDPA on CPU)
+on step 0's first micro-batch with the same weights: column "check" is the max |difference| of the hidden
+states / the relative difference of the gradients.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from gpu_rates import matmul_rate  # benchmarks/ is on sys.path when run as a sc
 from dflash_pipeline.drafter.batch import sample_anchors
 from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.distributed import Dist
+from dflash_pipeline.drafter.loss import draft_all_blocks
 from dflash_pipeline.drafter.metrics import StepMetrics
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.steps import Prefetcher, StepData
@@ -53,7 +58,7 @@ DEVICE_NOTES_BF16 = 790e12
 DEFAULT = ("padded+compile+b16+c2048,packed+compile+b16+c8192,packed+eager+b16+c8192,packed+compile+b32+c8192,"
            "packed+compile+b16+c2048,packed+compile+b16+c8192+full,padded+eager+b16+c2048,"
            "padded+compile+b16+c2048+full")
-TINY = "padded+eager+b4+c64+sdpa,packed+eager+b4+c64+sdpa,packed+eager+b8+c0+sdpa+full"
+TINY = "padded+eager+b4+c64+sdpa,packed+eager+b4+c64+sdpa,packed+eager+b8+c0+sdpa+full,packed+eager+b4+c64+split"
 
 
 def smollm2_config(tiny: bool) -> DrafterConfig:
@@ -100,12 +105,13 @@ class SyntheticSource:
 
 def parse_variant(spec: str, gpu: bool) -> dict:
     words = spec.split("+")
+    attention = "split" if "split" in words else "sdpa" if "sdpa" in words or not gpu else "flex"
     v = {"layout": "packed" if "packed" in words else "padded", "compile": "compile" in words and gpu,
-         "attention": "sdpa" if "sdpa" in words or not gpu else "flex",
-         "profile": "full" if "full" in words else "sharegpt", "batch": 16, "head_chunk": 2048}
+         "attention": attention,
+         "profile": "full" if "full" in words else "sharegpt", "batch": 16, "head_chunk": 2048, "pack_align": 1}
     for w in words:
-        if w[0] in "bc" and w[1:].isdigit():
-            v["batch" if w[0] == "b" else "head_chunk"] = int(w[1:])
+        if w[0] in "bca" and w[1:].isdigit():
+            v[{"b": "batch", "c": "head_chunk", "a": "pack_align"}[w[0]]] = int(w[1:])
     return v
 
 
@@ -113,7 +119,7 @@ def make_run(v: dict, cfg, head, source, dist_, args) -> TrainingRun:
     """The train stage's TrainingRun for a variant (the settings of config/smollm2-real.yaml otherwise)."""
     targs = Namespace(num_anchors=args.anchors, gamma=7.0, head_chunk=v["head_chunk"], loss_weighting="decay",
                       dpace_alpha=0.5, grad_clip=1.0, labels="data", compile=v["compile"], mode="offline",
-                      layout=v["layout"], lr=6e-4)
+                      layout=v["layout"], lr=6e-4, pack_align=v["pack_align"])
     steps = StepData(source, seed=0, batch_size=v["batch"], grad_accum=1, num_anchors=args.anchors, rank=0,
                      world=1, vocab_rows=cfg.vocab_size)
     torch.manual_seed(0)
@@ -158,9 +164,32 @@ def profile_table(run, metrics, first, n, prefetch) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=16, max_name_column_width=58)
 
 
+def check_split(run) -> dict:
+    """Hidden states and gradients of the split path against the one-mask path (flex on GPU, SDPA on CPU),
+    same weights and batch (step 0's first micro-batch), the step's dtype; before any training step."""
+    gpu = run.device.type == "cuda"
+    batch = collate_micro(run, run.steps(0))[0][0].to(run.device)
+    got = []
+    for attention in ("flex" if gpu else "sdpa", "split"):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=gpu):
+            h = draft_all_blocks(run.model, run.head, batch, batch.features, attention,
+                                 torch.bfloat16 if gpu else torch.float32).float()
+        w = torch.randn(h.shape, generator=torch.Generator().manual_seed(0)).to(h.device)
+        (h * w).sum().backward()
+        got.append((h.detach(), torch.cat([p.grad.flatten().float() for p in run.drafter.parameters()])))
+        run.opt.zero_grad(set_to_none=True)
+    (h0, g0), (h1, g1) = got
+    return {"check_hidden_max": float((h1 - h0).abs().max()), "check_hidden_ref_max": float(h0.abs().max()),
+            "check_hidden_rel": float((h1 - h0).norm() / h0.norm()),
+            "check_grad_rel": float((g1 - g0).norm() / g0.norm())}
+
+
 def measure(spec: str, cfg, head, sources, dist_, args, peak) -> dict:
     v = parse_variant(spec, dist_.device.type == "cuda")
     run = make_run(v, cfg, head, sources[v["profile"]], dist_, args)
+    check = check_split(run) if v["attention"] == "split" else {}
+    if check:
+        print(f"check {spec}: {json.dumps(check)}", flush=True)
     metrics = StepMetrics(cfg.block_size, dist_.device, peak)
     prefetch = Prefetcher(lambda step: collate_micro(run, run.steps(step)))
     prefetch.start(0)
@@ -177,7 +206,7 @@ def measure(spec: str, cfg, head, sources, dist_, args, peak) -> dict:
     row = {"variant": spec, "ms_step": dt / args.steps * 1e3, "data_wait_ms": wait / args.steps * 1e3,
            "positions_per_s": rec["positions_per_s"], "tokens_per_s": rec["tokens_per_s"], "tflops": rec["tflops"],
            "mfu_measured": rec["mfu"], "mfu_790": rec["tflops"] * 1e12 / DEVICE_NOTES_BF16, "warmup_s": warm,
-           "peak_gib": peak_gib, "loss": rec["loss"], "profile": prof}
+           "peak_gib": peak_gib, "loss": rec["loss"], **check, "profile": prof}
     print("row", json.dumps({k: x for k, x in row.items() if k != "profile"}), flush=True)
     return row
 
@@ -207,12 +236,14 @@ def print_table(rows, cfg, args, mm):
           f"block {cfg.block_size}), up to {args.anchors} anchors, max_length {args.max_length}, {args.steps} timed "
           f"steps; bf16 matmul measured {mm / 1e12:.0f} TFLOP/s")
     print(f"{'variant':40s} {'ms/step':>8s} {'data ms':>8s} {'pos/s':>10s} {'data tok/s':>10s} {'TFLOP/s':>8s} "
-          f"{'MFU meas':>8s} {'MFU 790':>8s} {'warmup s':>8s} {'GiB':>6s} {'vs first':>8s}")
+          f"{'MFU meas':>8s} {'MFU 790':>8s} {'warmup s':>8s} {'GiB':>6s} {'vs first':>8s} {'check':>17s}")
     for r in rows:
         mfu = "-" if r["mfu_measured"] is None else f"{100 * r['mfu_measured']:.1f}%"
+        check = f"{r['check_hidden_max']:.1e}/{r['check_grad_rel']:.1e}" if "check_grad_rel" in r else "-"
         print(f"{r['variant']:40s} {r['ms_step']:8.1f} {r['data_wait_ms']:8.1f} {r['positions_per_s']:10.0f} "
               f"{r['tokens_per_s']:10.0f} {r['tflops']:8.1f} {mfu:>8s} {100 * r['mfu_790']:7.1f}% "
-              f"{r['warmup_s']:8.1f} {r['peak_gib']:6.1f} {r['positions_per_s'] / rows[0]['positions_per_s']:7.2f}x")
+              f"{r['warmup_s']:8.1f} {r['peak_gib']:6.1f} {r['positions_per_s'] / rows[0]['positions_per_s']:7.2f}x "
+              f"{check:>17s}")
 
 
 def main():

@@ -102,13 +102,17 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 def collate_packed(samples: list[dict], anchors: list[torch.Tensor], token_multiple: int = 128,
-                   block_multiple: int = 8) -> Batch:
+                   block_multiple: int = 8, sample_multiple: int = 1) -> Batch:
     """All samples end to end in one row: tokens [1, T], blocks [1, N], T and N the totals rounded up to
     `token_multiple` / `block_multiple` (tile-aligned; the padding tokens belong to no sample and no valid
-    block sees them). `lengths` is [1]: the real tokens of the row."""
+    block sees them). `lengths` is [1]: the real tokens of the row. `sample_multiple` 128: every sample starts
+    on a 128-key tile (padding between samples), so no attention tile is cut by a sample's start."""
     sizes = [len(x["input_ids"]) for x in samples]
+    offsets = [0]
+    for t in sizes:
+        offsets.append(-(-(offsets[-1] + t) // sample_multiple) * sample_multiple)
     total, n_blocks = sum(sizes), sum(len(a) for a in anchors)
-    t_pad, n_pad = _round_up(total, token_multiple), _round_up(n_blocks, block_multiple)
+    t_pad, n_pad = _round_up(offsets[-2] + sizes[-1], token_multiple), _round_up(n_blocks, block_multiple)
     input_ids = torch.zeros(1, t_pad, dtype=torch.long)
     loss_mask = torch.zeros(1, t_pad, dtype=torch.float32)
     positions = torch.zeros(1, t_pad, dtype=torch.long)
@@ -119,8 +123,8 @@ def collate_packed(samples: list[dict], anchors: list[torch.Tensor], token_multi
     if "features" in samples[0]:
         f0 = samples[0]["features"]
         feats = torch.zeros(1, t_pad, f0.shape[-1], dtype=f0.dtype)
-    off = blk = 0
-    for x, a, t in zip(samples, anchors, sizes):
+    blk = 0
+    for x, a, t, off in zip(samples, anchors, sizes, offsets):
         input_ids[0, off:off + t] = torch.as_tensor(x["input_ids"])
         loss_mask[0, off:off + t] = torch.as_tensor(x["loss_mask"], dtype=torch.float32)
         positions[0, off:off + t] = torch.arange(t)
@@ -129,6 +133,6 @@ def collate_packed(samples: list[dict], anchors: list[torch.Tensor], token_multi
         end[0, blk:blk + len(a)] = off + t
         if feats is not None:
             feats[0, off:off + t] = x["features"]
-        off, blk = off + t, blk + len(a)
+        blk += len(a)
     valid = torch.arange(n_pad)[None, :] < n_blocks
     return Batch(input_ids, loss_mask, torch.tensor([total]), anc, valid, feats, positions, start, end)

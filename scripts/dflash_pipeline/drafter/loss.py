@@ -21,12 +21,15 @@ from dflash_pipeline.drafter.batch import Batch
 from dflash_pipeline.drafter.head_loss import head_cross_entropy
 from dflash_pipeline.drafter.masks import dense_block_mask, flex_block_mask, tile_block_mask
 from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.split_attention import split_block_mask
 from dflash_pipeline.drafter.target_head import TargetHead
 
 
 # attention -> mask builder: dense bool mask for SDPA (CPU); flex BlockMask built from per-tile counts, or
-# ("flex-create", the earlier path, kept for benchmarks/train_throughput.py) by torch's create_block_mask
-MASK_BUILDERS = {"sdpa": dense_block_mask, "flex": tile_block_mask, "flex-create": flex_block_mask}
+# ("flex-create", the earlier path, kept for benchmarks/train_throughput.py) by torch's create_block_mask;
+# split: context and own block attended apart, merged by log-sum-exp (split_attention.py)
+MASK_BUILDERS = {"sdpa": dense_block_mask, "flex": tile_block_mask, "flex-create": flex_block_mask,
+                 "split": split_block_mask}
 
 
 def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_pipeline.drafter.config import DrafterConfig
+from dflash_pipeline.drafter.split_attention import SplitMask, compiled_flex_attention, split_attend
 from dflash_pipeline.errors import PipelineError
 
 
@@ -75,23 +76,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
 
 
-_FLEX = None
-
-
-def _flex_attention():
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
     """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D]; mask: None, bool [B, 1, Lq, Lk] (True = visible) or BlockMask."""
     gqa = q.shape[1] != k.shape[1]
     if mask is not None and not isinstance(mask, torch.Tensor):  # flex attention BlockMask
-        return _flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+        return compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
@@ -141,9 +130,10 @@ class DrafterAttention(nn.Module):
             k_ctx = v_ctx = x.new_zeros(b, self.kv_heads, 0, self.head_dim)
         if cache is not None:
             k_ctx, v_ctx = cache.extend(layer, k_ctx, v_ctx)
-        k = torch.cat([k_ctx, k_blk], dim=2)
-        v = torch.cat([v_ctx, v_blk], dim=2)
-        out = attend(q, k, v, mask, self.scale)
+        if isinstance(mask, SplitMask):  # training: context and own block attended apart (split_attention.py)
+            out = split_attend(q, k_ctx, v_ctx, k_blk, v_blk, mask, self.scale)
+        else:
+            out = attend(q, torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2), mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 
 

@@ -95,8 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--acceptance-patience", type=int, default=3,
                    help="measurements without a gain after which the run says acceptance stopped improving")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto",
-                   help="auto: flex attention (block-sparse) on GPU, dense-mask SDPA on CPU")
+    p.add_argument("--attention", choices=["auto", "sdpa", "flex", "split"], default="auto",
+                   help="auto: flex attention (block-sparse) on GPU, dense-mask SDPA on CPU; split: context "
+                        "(flex on GPU) and own-block attention apart, merged by log-sum-exp")
     p.add_argument("--compile", action="store_true", help="torch.compile the drafter layers (GPU)")
     p.add_argument("--head-chunk", type=int, default=2048,
                    help="scored block tokens per LM-head/CE chunk (0: all logits at once; head_loss.py)")
@@ -335,8 +336,8 @@ def collate_micro(run: TrainingRun, micro) -> list:
     pinned on GPU runs (built in the prefetch thread, so the copy to the GPU is all the step waits for)."""
     out = []
     for samples, anchors in micro:
-        if run.packed:
-            batch = collate_packed(samples, anchors)
+        if run.packed:  # pack_align: benchmarks/train_small_shape.py's `a128`, not a setting yet
+            batch = collate_packed(samples, anchors, sample_multiple=getattr(run.args, "pack_align", 1))
         else:  # fixed padded shapes on GPU, so compiled kernels see few distinct shapes
             batch = collate(samples, anchors, pad_multiple=256 if run.gpu else 1,
                             num_blocks=run.args.num_anchors if run.gpu else 0)
