@@ -81,3 +81,25 @@ def test_calibrate_rates_runs_before_the_plan_through_the_workflow(tmp_path):
     (work / "batch.yaml").write_text("train:\n  batch_size: 3\n")
     out = snakemake(work, "-n", "results/plan.json", configfiles=(*configs, "batch.yaml"))
     assert re.search(r"^calibrate_rates\s+1$", out.stdout + out.stderr, flags=re.M), (out.stdout + out.stderr)[-2000:]
+
+
+def test_a_corpus_smaller_than_warm_up_plus_measurement_is_still_measured(tmp_path):
+    """A small run (fewer tokens than the warm-up alone) gives a quarter of its tokens to the warm-up and
+    measures the rest, instead of failing; a large one keeps the asked warm-up."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_pipeline.planning.calibrate_rates import draw_samples
+
+    n, length = 40, 100
+    pq.write_table(pa.table({"sample_id": [f"s{i}" for i in range(n)], "input_ids": [[1] * length] * n,
+                             "loss_mask": [[1] * length] * n, "length": [length] * n, "num_loss_tokens": [50] * n,
+                             "truncated": [False] * n}), tmp_path / "t.parquet")
+
+    def tokens(path):
+        return sum(pq.read_table(path, columns=["length"]).column("length").to_pylist())
+
+    warm, measure = draw_samples([str(tmp_path / "t.parquet")], 32768, 131072, str(tmp_path))
+    assert (tokens(warm), tokens(measure)) == (1000, 3000)
+    warm, measure = draw_samples([str(tmp_path / "t.parquet")], 1000, 1000, str(tmp_path))
+    assert (tokens(warm), tokens(measure)) == (1000, 1000)

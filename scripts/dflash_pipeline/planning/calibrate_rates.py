@@ -65,7 +65,10 @@ def draw_samples(paths: list[str], warmup_tokens: int, measure_tokens: int, out_
     rows = [t.slice(i, 1) for i in range(max(t.num_rows for t in tables)) for t in tables if i < t.num_rows]
     rows = [r for r in rows if r.column("num_loss_tokens")[0].as_py()]
     parts: list[list] = [[], []]
-    need, got = [warmup_tokens, measure_tokens], [0, 0]
+    total = sum(r.column("length")[0].as_py() for r in rows)
+    # a corpus smaller than warm-up + measurement still gets measured: a quarter of it warms up
+    need, got = [min(warmup_tokens, total // 4) if total < warmup_tokens + measure_tokens else warmup_tokens,
+                 measure_tokens], [0, 0]
     for r in rows:
         k = 0 if got[0] < need[0] else 1
         if got[1] >= need[1]:
