@@ -24,6 +24,13 @@ difference is a lossless failure and fails the gate.
 The report also gives the wall-clock speedup of speculative over plain greedy decoding at batch 1, both sides
 graph-captured on a GPU (`--speedup-prompts` prompts), beside tau.
 
+Kinds of turn: tau on turns whose output is a tool call and on chat turns, separately (`by_turn` in each run,
+`turns` in the report). A turn is a tool call when the target's own output in that run opens a call in the
+layout of its chat template (Qwen's `<tool_call>`, the layout the pipeline's hf engine and tool masks read): at
+serving time the model's output, not the data set, decides which requests are agentic, and the data may come
+from another model. The data's own next turn is counted beside it (`turns.data`). Targets whose template has no
+`<tool_call>` get no breakdown (`turns.unavailable` says why).
+
 The trained drafter runs beside an untrained one (same config, random weights). `evaluate-gate` fails the
 run unless the trained tau beats the untrained one by `min_tau_gain` and decoding is lossless: wrong
 target_layer_ids or shifted labels train a drafter that loads and runs but accepts (almost) nothing.
@@ -81,6 +88,9 @@ def add_evaluate_gate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def held_out_prompts(paths: list[str], fraction: float, n: int) -> list[dict]:
+    """Each held-out sample's tokens up to its first supervised token (the token row tokenize wrote: the target's
+    chat template with the sample's tools, data/chat_masking.py), and the data's own first response (`data_turn`:
+    the supervised run that follows)."""
     from dflash_pipeline.drafter.sources import TokenSource
 
     src = TokenSource(paths, holdout_fraction=fraction, keep="holdout")
@@ -89,9 +99,12 @@ def held_out_prompts(paths: list[str], fraction: float, n: int) -> list[dict]:
     samples.sort(key=lambda s: s["sample_id"])
     prompts = []
     for s in samples[:n]:
-        first = int(s["loss_mask"].nonzero()[0][0])
+        mask = s["loss_mask"].tolist()
+        first = mask.index(1)
+        end = mask.index(0, first) if 0 in mask[first:] else len(mask)
         if first > 0:
-            prompts.append({"sample_id": s["sample_id"], "prompt": s["input_ids"][:first].tolist()})
+            prompts.append({"sample_id": s["sample_id"], "prompt": s["input_ids"][:first].tolist(),
+                            "data_turn": s["input_ids"][first:end].tolist()})
     if not prompts:
         raise PipelineError(f"no held-out prompts: holdout fraction {fraction} selects no sample with a response "
                             f"in {len(paths)} token shard(s); raise evaluate.holdout_fraction")
@@ -152,6 +165,55 @@ def _by_category(prompts: list[dict], per_prompt: list[list[int]], bs: int) -> d
     return {cat: _acceptance(acc, bs) for cat, acc in sorted(groups.items())}
 
 
+TURN_KINDS = ("tool_call", "chat")
+
+
+class TurnKinds:
+    """Tells a tool-call turn from a chat turn by the text of its tokens: a turn that opens a call in Qwen's layout
+    (`<tool_call>`, generation/tool_calls.py) calls a tool, whether or not the call is complete (a call cut by
+    max_new_tokens is still call tokens to draft). Only for targets whose chat template writes calls that way
+    (`unavailable` says why not)."""
+
+    def __init__(self, tokenizer):
+        from dflash_pipeline.generation.tool_calls import QWEN_CALL_MARK
+
+        self.tokenizer, self.mark = tokenizer, QWEN_CALL_MARK
+        template = getattr(tokenizer, "chat_template", None)
+        self.unavailable = None if isinstance(template, str) and QWEN_CALL_MARK in template else (
+            f"the target's chat template writes no {QWEN_CALL_MARK} calls: tool-call turns cannot be told apart")
+
+    @classmethod
+    def of_model(cls, model_dir: str, trust_remote_code: bool = False) -> "TurnKinds | None":
+        """The target's TurnKinds, or None when it has no tokenizer (nothing to decode the outputs with)."""
+        from dflash_pipeline.target import load_tokenizer
+
+        try:
+            return cls(load_tokenizer(model_dir, trust_remote_code=trust_remote_code))
+        except Exception as exc:  # noqa: BLE001 - a target without a tokenizer: no breakdown, said in the log
+            log.warning("no tokenizer for %s (%s): tau is not reported per kind of turn", model_dir, exc)
+            return None
+
+    def __call__(self, tokens: list[int]) -> str:
+        text = self.tokenizer.decode(list(tokens), skip_special_tokens=False)
+        return "tool_call" if self.mark in text else "chat"
+
+
+def _by_turn(rows: list, kinds: "TurnKinds | None", bs: int) -> dict | None:
+    """tau, forwards, curve and prompt count per kind of turn, each row's kind from the tokens it generated."""
+    if kinds is None or kinds.unavailable:
+        return None
+    groups: dict[str, list[list[int]]] = {k: [] for k in TURN_KINDS}
+    for r in rows:
+        groups[kinds(r.tokens)].append(r.accepted)
+    out = {}
+    for kind, accepted in groups.items():
+        if accepted:
+            out[kind] = {"prompts": len(accepted), **_acceptance([a for acc in accepted for a in acc], bs)}
+        else:
+            out[kind] = {"prompts": 0, "tau": None, "target_forwards": 0, "acceptance_per_position": None}
+    return out
+
+
 def _as_rows(plain) -> list:
     """Plain greedy outputs as RowOutput (older callers pass greedy_generate's (tokens, gaps) pairs)."""
     from dflash_pipeline.drafter.batched_decoding import RowOutput
@@ -168,7 +230,7 @@ def plain_greedy(target, prompts, max_new, stop_ids, batch_size: int = 32, graph
 
 
 def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_ids, device, tie_tol,
-                     batch_size: int = 32, graphs: bool = True) -> dict:
+                     batch_size: int = 32, graphs: bool = True, kinds: TurnKinds | None = None) -> dict:
     """Greedy: tau, and every output compared token for token with plain greedy decoding (drafter/lossless.py:
     a difference is a numerical tie or a lossless failure)."""
     from dflash_pipeline.drafter.decode_sets import decode_all
@@ -186,11 +248,12 @@ def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_
              check["numerical_ties"], len(check["lossless_failures"]))
     return {**stats, "generated_tokens": sum(len(r.tokens) for r in rows), **check,
             "wall_seconds": round(time.perf_counter() - t0, 2), "decode_seconds": round(timing["decode_seconds"], 3),
-            "by_category": _by_category(prompts, per_prompt, drafter.config.block_size)}
+            "by_category": _by_category(prompts, per_prompt, drafter.config.block_size),
+            "by_turn": _by_turn(rows, kinds, drafter.config.block_size)}
 
 
 def evaluate_sampled(name, target, drafter, head, prompts, max_new, stop_ids, device, temperature, seed,
-                     batch_size: int = 32, graphs: bool = True) -> dict:
+                     batch_size: int = 32, graphs: bool = True, kinds: TurnKinds | None = None) -> dict:
     """Temperature > 0: tau under speculative sampling (lossless by construction: rejection sampling)."""
     from dflash_pipeline.drafter.batched_rules import BatchedSampling
     from dflash_pipeline.drafter.decode_sets import decode_all
@@ -204,14 +267,18 @@ def evaluate_sampled(name, target, drafter, head, prompts, max_new, stop_ids, de
              stats["target_forwards"])
     return {**stats, "generated_tokens": sum(len(r.tokens) for r in rows),
             "wall_seconds": round(time.perf_counter() - t0, 2), "decode_seconds": round(timing["decode_seconds"], 3),
-            "by_category": _by_category(prompts, per_prompt, drafter.config.block_size)}
+            "by_category": _by_category(prompts, per_prompt, drafter.config.block_size),
+            "by_turn": _by_turn(rows, kinds, drafter.config.block_size)}
 
 
-def evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device) -> tuple[dict, dict, float]:
-    """Greedy (tau + lossless check against plain greedy) and each sampled temperature, for every drafter."""
+def evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device,
+                        kinds: TurnKinds | None = None) -> tuple[dict, dict, float, list]:
+    """Greedy (tau + lossless check against plain greedy) and each sampled temperature, for every drafter; the
+    plain greedy outputs last."""
     t0 = time.perf_counter()
-    run = dict(batch_size=args.batch_size, graphs=not args.eager)
-    plain, _ = plain_greedy(target, prompts, args.max_new_tokens, stop_ids, **run)
+    run = dict(batch_size=args.batch_size, graphs=not args.eager, kinds=kinds)
+    plain, _ = plain_greedy(target, prompts, args.max_new_tokens, stop_ids, batch_size=args.batch_size,
+                            graphs=not args.eager)
     plain_wall = time.perf_counter() - t0
     greedy = {name: evaluate_drafter(name, target, d, head, prompts, plain, args.max_new_tokens, stop_ids, device,
                                      args.tie_tolerance, **run) for name, d in drafters.items()}
@@ -219,7 +286,7 @@ def evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device)
     sampled = {f"{t:g}": {name: evaluate_sampled(name, target, d, head, prompts, args.max_new_tokens, stop_ids,
                                                   device, t, args.seed, **run) for name, d in drafters.items()}
                for t in sampled_temps}
-    return greedy, sampled, plain_wall
+    return greedy, sampled, plain_wall, plain
 
 
 def speedup_at_batch_1(target, drafter, head, prompts, max_new, stop_ids, graphs: bool = True) -> dict:
@@ -272,13 +339,39 @@ def tau_table(greedy: dict, sampled: dict) -> dict:
                 for name, r in by.items()} for t, by in runs.items()}
 
 
-def _prompts_file_report(args, target, head, drafters, stop_ids, device, room) -> dict | None:
+def turn_table(greedy: dict, sampled: dict) -> dict:
+    """{temperature: {drafter: {kind: {"tau", "prompts"}}}} ("0" is greedy), from each run's `by_turn`."""
+    runs = {"0": greedy, **sampled}
+    return {t: {name: {k: {"tau": v["tau"], "prompts": v["prompts"]} for k, v in r["by_turn"].items()}
+                for name, r in by.items()} for t, by in runs.items()}
+
+
+def turns_report(prompts: list[dict], greedy: dict, sampled: dict, kinds: TurnKinds | None, plain: list) -> dict:
+    """The held-out set's tau per kind of turn (the target's output in each run decides), the data's own next
+    turns counted the same way, and how the kinds of the target's plain greedy outputs compare with the data's."""
+    if kinds is None:
+        return {"unavailable": "the target has no tokenizer to read its outputs with"}
+    if kinds.unavailable:
+        return {"unavailable": kinds.unavailable}
+    out = {"kind_of_turn": f"tool_call: the target's output in that run opens a {kinds.mark} call; chat: any other",
+           "tau": turn_table(greedy, sampled)}
+    if all("data_turn" in p for p in prompts):
+        data = [kinds(p["data_turn"]) for p in prompts]
+        pairs = list(zip(data, (kinds(r.tokens) for r in _as_rows(plain))))
+        out["data"] = {k: data.count(k) for k in TURN_KINDS}
+        out["greedy_vs_data"] = {f"data {d}, target {t}": pairs.count((d, t)) for d in TURN_KINDS for t in TURN_KINDS}
+    return out
+
+
+def _prompts_file_report(args, target, head, drafters, stop_ids, device, room,
+                         kinds: TurnKinds | None = None) -> dict | None:
     if not args.prompts_file:
         return None
     prompts = file_prompts(args.prompts_file, args.model, args.trust_remote_code)
     log.info("%d prompts from %s", len(prompts), args.prompts_file)
     prompts, skipped = fit_prompts(prompts, room, args.prompts_file)
-    greedy, sampled, plain_wall = evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device)
+    greedy, sampled, plain_wall, _ = evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device,
+                                                         kinds)
     categories: dict[str, int] = {}
     for p in prompts:
         categories[p["category"]] = categories.get(p["category"], 0) + 1
@@ -329,8 +422,10 @@ def _run_evaluate(args) -> int:
     stop_ids = _stop_ids(args.model, target, args.trust_remote_code)
     log.info("%d held-out prompts, max %d new tokens, stop ids %s, device %s, temperatures %s", len(prompts),
              args.max_new_tokens, sorted(stop_ids), device, sorted({0.0, *map(float, args.temperatures)}))
-    greedy, sampled, plain_wall = evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device)
-    from_file = _prompts_file_report(args, target, head, drafters, stop_ids, device, room)
+    kinds = TurnKinds.of_model(args.model, args.trust_remote_code)
+    greedy, sampled, plain_wall, plain = evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device,
+                                                             kinds)
+    from_file = _prompts_file_report(args, target, head, drafters, stop_ids, device, room, kinds)
     speedup = None
     if args.speedup_prompts > 0:
         speedup = speedup_at_batch_1(target, drafters["trained"], head, prompts[: args.speedup_prompts],
@@ -357,6 +452,8 @@ def _run_evaluate(args) -> int:
         "speedup_batch1": speedup,
         "sampled": sampled, "sampling": "temperature only (no top-k/top-p), seed " + str(args.seed),
         "prompts_file": from_file,
+        # tau on tool-call turns and on chat turns of the held-out set (the target's output decides the kind)
+        "turns": turns_report(prompts, greedy, sampled, kinds, plain),
     }
     storage.write_json(args.out, report)
     plot_acceptance(greedy, sampled, args.plot, from_file)
@@ -377,10 +474,19 @@ def _print_summary(args, report: dict, greedy: dict, sampled: dict, from_file: d
         print(f"batch 1, greedy, {s['prompts']} prompts: speculative {s['speculative_tokens_per_s']:.0f} tok/s vs plain "
               f"{s['plain_tokens_per_s']:.0f} tok/s: speedup {s['speedup']:.2f}x at tau {s['tau']:.2f}"
               f"{' (CUDA graphs)' if s['cuda_graphs'] else ''}")
+    for t, by in (report.get("turns") or {}).get("tau", {}).items():
+        parts = [f"{k} {_tau_text(by['trained'][k]['tau'])} vs {_tau_text(by['untrained'][k]['tau'])} "
+                 f"({by['trained'][k]['prompts']} prompts)" for k in TURN_KINDS]
+        print(f"held-out {'greedy' if t == '0' else 'T=' + t}, by kind of turn (the target's output), tau trained vs "
+              f"untrained: {'; '.join(parts)}")
     for t, by in (from_file or {}).get("tau", {}).items():
         cats = ", ".join(f"{c} {v:.2f}" for c, v in by["trained"]["by_category"].items())
         print(f"{args.prompts_file} T={t}: tau trained {by['trained']['pooled']:.3f} vs untrained "
               f"{by['untrained']['pooled']:.3f} pooled; trained by category: {cats}")
+
+
+def _tau_text(tau: float | None) -> str:
+    return "-" if tau is None else f"{tau:.3f}"
 
 
 def plot_acceptance(greedy: dict, sampled: dict, path, from_file: dict | None = None) -> None:

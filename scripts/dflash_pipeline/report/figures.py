@@ -191,7 +191,7 @@ def tau_figure(report: str | None, out: Path) -> dict:
     return {"passed": rep.get("passed"), "block_size": rep.get("block_size"),
             "target_layer_ids": rep.get("target_layer_ids"), **{f"tau_{n}": rep[n].get("tau") for n in names},
             "reasons": rep.get("reasons"), "temperatures": temps,
-            "prompts": (rep.get("prompts") or {}).get("count"),
+            "prompts": (rep.get("prompts") or {}).get("count"), "turns": rep.get("turns"),
             "acceptance_plot": str(Path(report).with_name("acceptance.png"))}
 
 
@@ -334,7 +334,7 @@ def write_summary(out_dir: Path, sections: dict[str, dict], versus: list[list]) 
     greedy and sampled, trained vs untrained, the acceptance curve), then the cost, then the data: each part is
     one (title, html) entry of `parts`, so a new section slots in where it belongs."""
     tau = sections.get("Acceptance length (tau)") or {}
-    result = (page.tau_table(tau) + page.embedded_png(out_dir / "tau.png", "tau")
+    result = (page.tau_table(tau) + page.turn_table(tau) + page.embedded_png(out_dir / "tau.png", "tau")
               + page.embedded_png(tau.get("acceptance_plot"), "acceptance per block position")
               + page.table(page.tau_rows(tau))) if tau else "<p class='note'>no evaluation report</p>"
     times = sections.get("Stage wall time (Snakemake benchmarks)") or {}

@@ -130,6 +130,31 @@ def tau_table(d: dict) -> str:
     return grid(["decoding", "tau, trained drafter", "tau, untrained drafter", "trained / untrained"], rows) + note
 
 
+TURN_LABEL = {"tool_call": "tool call", "chat": "chat"}
+
+
+def turn_table(d: dict) -> str:
+    """tau on the held-out turns whose output is a tool call and on chat turns (report.json `turns`), per
+    temperature; a target whose template writes no calls gets the reason in a note, an older report nothing."""
+    turns = d.get("turns") or {}
+    if turns.get("unavailable"):
+        return f"<p class='note'>tau by kind of turn: not reported ({html.escape(turns['unavailable'])})</p>"
+    rows = []
+    for t, by in (turns.get("tau") or {}).items():
+        how = "greedy (T=0)" if float(t) == 0 else f"sampled, T={t}"
+        for kind, label in TURN_LABEL.items():
+            tr, un = by["trained"][kind], by["untrained"][kind]
+            rows.append([how, label, u.count(tr["prompts"]), u.number(tr["tau"]), u.number(un["tau"])])
+    if not rows:
+        return ""
+    data = turns.get("data") or {}
+    note = (f"<p class='note'>kind of turn: what the target wrote in that run (a tool call opens "
+            f"&lt;tool_call&gt;); in the data, {u.count(data.get('tool_call'))} of "
+            f"{u.count(sum(data.values()))} held-out next turns call a tool</p>" if data else "")
+    return grid(["decoding", "kind of turn (target's output)", "prompts (trained drafter's run)",
+                 "tau, trained drafter", "tau, untrained drafter"], rows) + note
+
+
 def section_body(rows, figure: str | None = None) -> str:
     if not rows:
         return "<p class='note'>not run in this configuration</p>" + (figure or "")
