@@ -13,6 +13,7 @@ table says how many); everything runs in one process, one after the other, until
 
     PYTHONPATH=scripts python benchmarks/generation_engines.py --json out.json          # GPU
     PYTHONPATH=scripts python benchmarks/generation_engines.py --tiny                    # CPU smoke test
+    PYTHONPATH=scripts python benchmarks/generation_engines.py --only "slots refill" --attention sdpa,triton
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def run_hf_engine(model, reqs, width, temperature: float):
     return {"wall_s": time.perf_counter() - t0, "steps": steps}
 
 
-def run_slots(model, reqs, width, temperature: float, refill: bool, capture: bool, context: int, columns: int = 0):
+def run_slots(model, reqs, width, temperature: float, refill: bool, capture: bool, context: int, columns: int = 0,
+              attention: str = "auto"):
     from dflash_pipeline.generation.slot_decode import Request, use_slot_attention
     from dflash_pipeline.generation.slot_engine import slot_width
     from dflash_pipeline.generation.slot_pool import SlotScheduler
@@ -106,7 +108,7 @@ def run_slots(model, reqs, width, temperature: float, refill: bool, capture: boo
     use_slot_attention(model)  # as SlotEngine loads it; the generate variants get sdpa back (measure())
     cap = max(b for _, b in reqs)
     sched = SlotScheduler(model, set(), rows=width, width=columns or slot_width(context, cap), context=context, refill=refill,
-                          capture=capture)
+                          capture=capture, decode_attention=attention)
     warm = [Request(prompt=p, budget=min(b, 16), seed=10 ** 6 + i, temperature=temperature)
             for i, (p, b) in enumerate(reqs[:width])]
     with torch.inference_mode():
@@ -127,7 +129,7 @@ def run_slots(model, reqs, width, temperature: float, refill: bool, capture: boo
     occupancy = (sum(p.row_steps for p in pools) - row_steps0) / max(1, sum(p.step_count * p.rows for p in pools)
                                                                      - slot_steps0)
     return {"wall_s": wall, "steps": steps, "occupancy": round(occupancy, 3), "slot_width": sched.main.width,
-            "shifts": sched.main.shifts,
+            "shifts": sched.main.shifts, "attention": sched.main.live_attention.name,
             "wide_requests": sum(1 for p, b in reqs if len(p) + b > sched.main.width)}
 
 
@@ -170,6 +172,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--slot-width", type=int, default=0, help="the slot engine's cache columns (0: its default)")
     ap.add_argument("--only", default="", help="run only the variants whose name contains this")
+    ap.add_argument("--attention", default="auto",
+                    help="the slot variants' decode attention, comma-separated to run each: auto, sdpa, triton")
     args = ap.parse_args()
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     n = args.requests or (64 if args.tiny else 4096)
@@ -177,7 +181,11 @@ def main() -> None:
     reqs = workload(n, model.config.vocab_size, 24 if args.tiny else 384)
     capture = device == "cuda"
     begin, rows = time.perf_counter(), []
-    for name, width, count, kind, refill in variants(args.tiny, n):
+    modes = args.attention.split(",")
+    runs = [(f"{name} [{mode}]" if kind == "slots" and modes != ["auto"] else name, width, count, kind, refill, mode)
+            for name, width, count, kind, refill in variants(args.tiny, n)
+            for mode in (modes if kind == "slots" else ["auto"])]
+    for name, width, count, kind, refill, attention in runs:
         if args.only not in name:
             continue
         if time.perf_counter() - begin > args.deadline_s:
@@ -189,7 +197,8 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         try:
             if kind == "slots":
-                res = run_slots(model, part, width, args.temperature, refill, capture, 2048, args.slot_width)
+                res = run_slots(model, part, width, args.temperature, refill, capture, 2048, args.slot_width,
+                                attention)
             else:
                 res = measure(model, kind, part, width, args, capture)
         except Exception as exc:  # one variant failing must not lose the others
@@ -219,16 +228,17 @@ def write(args, device, rows):
 def table(rows, device, args) -> str:
     lines = [f"generation engines, {'tiny' if args.tiny else 'SmolLM2-135M'} shape, {device}, T={args.temperature}; "
              "tok/s counts real answer tokens only (each row's drawn budget)",
-             f"{'engine':32} {'width':>6} {'requests':>8} {'tok/s':>9} {'wall s':>7} {'step ms':>8} {'peak GiB':>8}"]
+             f"{'engine':40} {'width':>6} {'requests':>8} {'tok/s':>9} {'wall s':>7} {'step ms':>8} {'peak GiB':>8}"]
     for r in rows:
         if "tok_s" not in r:
-            lines.append(f"{r['engine']:32} {r['width']:>6} {r.get('skipped') or r.get('error', '')[:60]}")
+            lines.append(f"{r['engine']:40} {r['width']:>6} {r.get('skipped') or r.get('error', '')[:60]}")
             continue
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         note = f"  (first call {r['first_call_s']} s)" if "first_call_s" in r else ""
         if "occupancy" in r:  # live rows over slots, summed over the steps: the tail and refills cost this
-            note += f"  (occupancy {r['occupancy']:.0%}, {r['slot_width']} columns, {r['wide_requests']} wide)"
-        lines.append(f"{r['engine']:32} {r['width']:>6} {r['requests']:>8} {r['tok_s']:>9,.0f} {r['wall_s']:>7.1f} "
+            note += (f"  (occupancy {r['occupancy']:.0%}, {r['slot_width']} columns, {r['wide_requests']} wide, "
+                     f"{r['attention']})")
+        lines.append(f"{r['engine']:40} {r['width']:>6} {r['requests']:>8} {r['tok_s']:>9,.0f} {r['wall_s']:>7.1f} "
                      f"{r['step_ms']:>8.2f} {peak:>8}{note}")
     return "\n".join(lines)
 

@@ -9,9 +9,11 @@ slot's columns ending at `t`; when `t` reaches the cache's end every row is move
 
 The decode step (model, sampling, bookkeeping) is one CUDA graph on a GPU: a small target's eager step costs
 tens of milliseconds of Python and kernel launches whatever the batch, the captured one what the GPU needs.
-Attention goes through `slot_attention`, registered with transformers' attention interface: the grouped query
-heads of one KV head are put side by side so that SDPA reads each key once (transformers' own sdpa path
-repeats the keys of a GQA model whenever a mask is given, three times the cache traffic at SmolLM2's shape).
+Attention goes through `slot_attention`, registered with transformers' attention interface. A decode step on a
+GPU runs live_attention's Triton kernel, which reads only each row's live columns (its first column is the
+cache's `start`); otherwise SDPA with the mask, the grouped query heads of one KV head side by side so that it
+reads each key once (transformers' own sdpa path repeats the keys of a GQA model whenever a mask is given,
+three times the cache traffic at SmolLM2's shape).
 
 Sampling happens inside the step: temperature, top-k, top-p, then one uniform per row per step from splitmix64
 of (row seed, tokens generated so far) picks the token by inverse CDF. A request's tokens are a function of its
@@ -97,7 +99,8 @@ def sample_rows(logits, seeds, steps, temperature, top_k, top_p, warp: bool) -> 
 # --------------------------------------------------------------------------------------------------------
 class SlotCache:
     """Per layer [rows, kv_heads, width, head_dim]; a decode step writes column `pos` (a device tensor, so a
-    captured graph sees its new value). Quacks like transformers' Cache where a model's forward uses one."""
+    captured graph sees its new value); `start` (int32 [rows]) is each row's first live column, kept by the pool
+    in step with the mask. Quacks like transformers' Cache where a model's forward uses one."""
 
     is_compileable = False
 
@@ -105,6 +108,14 @@ class SlotCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.pos: torch.Tensor | None = None
+        self.start: torch.Tensor | None = None
+
+    def add_layer(self, keys: torch.Tensor, values: torch.Tensor, live=None) -> None:
+        """`live` (a live_attention.LiveAttention) rides on the key buffer: `update` returns that very tensor to
+        the layer, which hands it to `slot_attention` (transformers gives the attention no cache)."""
+        keys.slot_live = live
+        self.keys.append(keys)
+        self.values.append(values)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # position ids are always given
@@ -125,11 +136,17 @@ class PrefillCache(SlotCache):
 
 
 def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """SDPA with the 4D additive mask as given. One query position (a decode step): the query heads that share
-    a KV head become that head's query rows, so each key is read once; a prefill repeats the keys instead."""
+    """A decode step on a slot cache with the live-column kernel on: that kernel. Else SDPA with the 4D additive
+    mask as given; for one query position (a decode step) the query heads that share a KV head become that
+    head's query rows, so each key is read once; a prefill repeats the keys instead."""
     rows, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
+    live = getattr(key, "slot_live", None)
+    if q_len == 1 and live is not None and dropout == 0.0:
+        out = live(query, key, value, dim ** -0.5 if scaling is None else scaling)
+        if out is not None:
+            return out.transpose(1, 2), None
     if q_len == 1:
         out = torch.nn.functional.scaled_dot_product_attention(
             query.reshape(rows, kv_heads, group, dim), key, value, attn_mask=attention_mask, scale=scaling)

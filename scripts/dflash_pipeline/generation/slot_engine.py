@@ -24,7 +24,8 @@ LOG_EVERY_S = 30.0
 
 def slot_width(context_length: int, max_new_tokens: int) -> int:
     """Cache columns per slot: room for the answer and a prompt of up to 640 tokens (more for longer answers),
-    a multiple of 64; longer requests go to the wide pool. Attention reads every column at every step."""
+    a multiple of 64; longer requests go to the wide pool. Masked SDPA reads every column at every step, the
+    Triton decode attention (live_attention) only each row's live ones."""
     width = max(1024, 2 * max_new_tokens + 256)
     return min(-(-width // 64) * 64, -(-context_length // 64) * 64)
 
@@ -35,10 +36,12 @@ class SlotEngine(HFEngine):
 
     def __init__(self, model_path: str, *, batch_size: int = 256, device: str = "cpu", dtype: str = "auto",
                  context_length: int | None = None, trust_remote_code: bool = False, threads: int | None = None,
-                 width: int = 0, max_new_tokens: int = 2048, refill: bool = True, capture: bool | None = None):
+                 width: int = 0, max_new_tokens: int = 2048, refill: bool = True, capture: bool | None = None,
+                 decode_attention: str = "auto"):
         super().__init__(model_path, batch_size=batch_size, device=device, dtype=dtype, context_length=context_length,
                          trust_remote_code=trust_remote_code, threads=threads)
         self.width, self.max_new_tokens, self.refill, self.capture = width, max_new_tokens, refill, capture
+        self.decode_attention = decode_attention  # live_attention.MODES; auto: the Triton kernel on a GPU
         self.scheduler = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -52,7 +55,8 @@ class SlotEngine(HFEngine):
     def describe(self) -> str:
         pool = self.scheduler.main if self.scheduler else None
         how = "CUDA graph" if pool and pool.capture else "eager"
-        shape = f"{pool.rows} slots x {pool.width} columns, {how}" if pool else f"{self.batch_size} slots"
+        shape = (f"{pool.rows} slots x {pool.width} columns, {how}, {pool.live_attention.name} attention" if pool
+                 else f"{self.batch_size} slots")
         return f"hf slots ({shape}) on {self.device}"
 
     async def start(self, wait_s: float = 0) -> None:
@@ -73,7 +77,7 @@ class SlotEngine(HFEngine):
         width = self.width or slot_width(self.context_length, self.max_new_tokens)
         self.scheduler = SlotScheduler(self.model, self.eos_ids, rows=self.batch_size,
                                        width=min(width, self.context_length), context=self.context_length,
-                                       refill=self.refill, capture=capture)
+                                       refill=self.refill, capture=capture, decode_attention=self.decode_attention)
         if on_gpu:
             torch.cuda.synchronize()
         LOG.info("%s", self.describe())

@@ -11,6 +11,7 @@ import logging
 import numpy as np
 import torch
 
+from dflash_pipeline.generation.live_attention import LiveAttention
 from dflash_pipeline.generation.slot_decode import (
     NO_TOP_P, PrefillCache, Request, SlotCache, cache_keyword, sample_rows,
 )
@@ -20,9 +21,12 @@ LOG = logging.getLogger(__name__)
 
 class SlotPool:
     """`rows` slots of `width` cache columns. `admit` prefills requests into free slots, `step` decodes one token
-    for every row (a CUDA graph when `capture`), `harvest` returns the requests that finished."""
+    for every row (a CUDA graph when `capture`), `harvest` returns the requests that finished.
+    `decode_attention`: "triton" (live columns only, live_attention), "sdpa" (masked), "auto" (triton on a GPU
+    where it imports)."""
 
-    def __init__(self, model, eos_ids, *, rows: int, width: int, capture: bool, prefill_tokens: int = 16384):
+    def __init__(self, model, eos_ids, *, rows: int, width: int, capture: bool, prefill_tokens: int = 16384,
+                 decode_attention: str = "auto"):
         self.model, self.rows, self.width, self.capture = model, rows, width, capture
         self.prefill_tokens = prefill_tokens
         self.device = next(model.parameters()).device
@@ -44,6 +48,8 @@ class SlotPool:
         self.mask = torch.full((rows, 1, 1, width), self.min, dtype=self.dtype, device=dev)
         self.cache = SlotCache()
         self.cache.pos = torch.zeros(1, dtype=long, device=dev)
+        self.cache.start = torch.zeros(rows, dtype=torch.int32, device=dev)  # the mask's first 0 column, per row
+        self.live_attention = LiveAttention(decode_attention, dev, self.cache.start, self.cache.pos)
         self.t = 0
         self.slots: list[Request | None] = [None] * rows
         self.steps_host = np.zeros(rows, dtype=np.int64)
@@ -74,14 +80,15 @@ class SlotPool:
     def _allocate(self, pre: PrefillCache) -> None:
         for k in pre.keys:
             shape = (self.rows, k.shape[1], self.width, k.shape[3])
-            self.cache.keys.append(torch.zeros(shape, dtype=k.dtype, device=self.device))
-            self.cache.values.append(torch.zeros(shape, dtype=k.dtype, device=self.device))
+            self.cache.add_layer(torch.zeros(shape, dtype=k.dtype, device=self.device),
+                                 torch.zeros(shape, dtype=k.dtype, device=self.device), self.live_attention)
 
     def _shift(self, d: int) -> None:
         """Move every row's columns by d (negative: to the left); the columns rolled in are masked."""
         for buf in self.cache.keys + self.cache.values:
             buf.copy_(torch.roll(buf, d, dims=2))
         self.mask.copy_(torch.roll(self.mask, d, dims=3))
+        self.cache.start.add_(d).clamp_(0, self.width)  # live rows stay inside; a free row's start is stale
         if d < 0:
             self.mask[..., self.width + d:] = self.min
         else:
@@ -177,6 +184,7 @@ class SlotPool:
         cols = torch.arange(self.width, device=self.device).unsqueeze(0)
         valid = (cols >= (t - lengths).unsqueeze(1)) & (cols < t)
         self.mask[idx, 0, 0] = torch.where(valid, 0.0, self.min).to(self.dtype)
+        self.cache.start[idx] = (t - lengths).to(torch.int32)
         params = self._row_params(placed)
         self.tokens[idx] = torch.tensor(place_first, dtype=torch.long, device=self.device)
         self.positions[idx] = lengths
@@ -267,11 +275,14 @@ class SlotScheduler:
     are done, the shortest prompts first (length-sorted fixed-width batches)."""
 
     def __init__(self, model, eos_ids, *, rows: int, width: int, context: int, refill: bool = True,
-                 capture: bool = False, prefill_tokens: int = 16384, min_refill: int | None = None):
+                 capture: bool = False, prefill_tokens: int = 16384, min_refill: int | None = None,
+                 decode_attention: str = "auto"):
         self.model, self.eos_ids, self.capture, self.refill = model, eos_ids, capture, refill
+        self.decode_attention = decode_attention
         self.prefill_tokens = prefill_tokens
         self.context = max(context, width)
-        self.main = SlotPool(model, eos_ids, rows=rows, width=width, capture=capture, prefill_tokens=prefill_tokens)
+        self.main = SlotPool(model, eos_ids, rows=rows, width=width, capture=capture, prefill_tokens=prefill_tokens,
+                             decode_attention=decode_attention)
         self.wide: SlotPool | None = None
         self.wide_rows = max(1, min(rows // 16, rows * width // (4 * self.context)))
         self.min_refill = min_refill or max(1, rows // 16)
@@ -287,7 +298,7 @@ class SlotScheduler:
             width = -(-self.context // 64) * 64
             LOG.info("slot engine: a wide pool of %d rows x %d columns for long prompts", self.wide_rows, width)
             self.wide = SlotPool(self.model, self.eos_ids, rows=self.wide_rows, width=width, capture=self.capture,
-                                 prefill_tokens=self.prefill_tokens)
+                                 prefill_tokens=self.prefill_tokens, decode_attention=self.decode_attention)
         self.waiting["wide"].append(req)
 
     @property
