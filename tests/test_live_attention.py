@@ -145,3 +145,21 @@ def test_triton_kernel_equals_the_reference_in_the_interpreter():
     assert res.returncode == 0, res.stderr[-3000:]
     for dtype, diff in json.loads(res.stdout.strip().splitlines()[-1]):
         assert diff < (1e-5 if dtype == "torch.float32" else 1e-2), (dtype, diff)
+
+
+def test_the_environment_overrides_auto_only(monkeypatch):
+    """DFLASH_DECODE_ATTENTION picks the mode an `auto` engine runs (an operator's switch); an explicit mode stays."""
+    import pytest as _pytest
+
+    from dflash_pipeline.generation.live_attention import ENV_MODE, LiveAttention
+
+    start, pos = torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.long)
+    monkeypatch.setattr(live_attention, "triton_importable", lambda: True)  # as on a GPU machine
+    monkeypatch.delenv(ENV_MODE, raising=False)
+    assert LiveAttention("auto", torch.device("cuda"), start, pos).enabled
+    monkeypatch.setenv(ENV_MODE, "sdpa")
+    assert not LiveAttention("auto", torch.device("cuda"), start, pos).enabled
+    monkeypatch.setenv(ENV_MODE, "bogus")
+    with _pytest.raises(ValueError, match="decode_attention must be one of"):
+        LiveAttention("auto", torch.device("cpu"), start, pos)
+    assert not LiveAttention("sdpa", torch.device("cpu"), start, pos).enabled

@@ -26,6 +26,7 @@ import torch
 
 LOG = logging.getLogger(__name__)
 MODES = ("auto", "sdpa", "triton")
+ENV_MODE = "DFLASH_DECODE_ATTENTION"
 CHUNK = 256    # columns per program: 4 chunks at width 1,024, enough programs (rows x kv_heads x 4) for the SMs
 BLOCK_N = 64   # columns per inner iteration
 
@@ -85,6 +86,8 @@ class LiveAttention:
     `pos` (the write column) are the pool's device tensors; `__call__` returns None where SDPA must run."""
 
     def __init__(self, mode: str, device: torch.device, start: torch.Tensor, pos: torch.Tensor):
+        # an operator's override of "auto" (e.g. sdpa while a GPU or driver misbehaves): no job param, no rerun
+        mode = os.environ.get(ENV_MODE, mode) if mode == "auto" else mode
         if mode not in MODES:
             raise ValueError(f"decode_attention must be one of {MODES}, not {mode!r}")
         if mode == "triton" and not triton_importable():
