@@ -21,3 +21,22 @@ def test_stage_help_shows_the_schema_defaults(stage, section, keys):
     for key in keys:
         option = "--" + key.replace("_", "-")
         assert f"(default: {defaults[key]})" in out.split(option + " ", 1)[1].split(" --", 1)[0], (key, out)
+
+
+# Each workflow job starts one `dflash-pipeline STAGE`: a stage that only reads and writes files must not pay for
+# importing torch (seconds per job; the tiny pipeline runs a dozen such jobs).
+TORCH_FREE = ("ingest", "manifest", "shard", "tokenize", "audit", "gate", "calibrate-sample", "plan",
+              "generation-gate", "evaluate-gate", "with-gpus", "launch-torchrun", "report-figures", "reset")
+
+
+def test_file_only_stages_do_not_import_torch():
+    import json
+    import subprocess
+    import sys
+
+    code = ("import importlib, json, sys\nfrom dflash_pipeline.cli import STAGES\n"
+            f"for name in {TORCH_FREE!r}:\n"
+            "    importlib.import_module(STAGES[name].module)\n"
+            "print(json.dumps('torch' in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(proc.stdout) is False, proc.stdout

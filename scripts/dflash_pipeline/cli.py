@@ -80,7 +80,7 @@ STAGES = {
                     "export an engine-loadable drafter checkpoint"),
     "evaluate": Stage("dflash_pipeline.drafter.evaluate", "add_evaluate_arguments", "run_evaluate",
                       "acceptance length of the drafter against the target", "evaluate"),
-    "evaluate-gate": Stage("dflash_pipeline.drafter.evaluate", "add_evaluate_gate_arguments", "run_evaluate_gate",
+    "evaluate-gate": Stage("dflash_pipeline.drafter.evaluate_gate", "add_evaluate_gate_arguments", "run_evaluate_gate",
                            "fail unless the trained drafter clearly beats an untrained one"),
     "with-gpus": Stage("dflash_pipeline.cluster.gpu_slots", "add_arguments", "run",
                        "run a command on N distinct free GPUs (sets CUDA_VISIBLE_DEVICES)"),

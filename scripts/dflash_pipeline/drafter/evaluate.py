@@ -82,11 +82,6 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", required=True, help="acceptance-curve PNG")
 
 
-def add_evaluate_gate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--report", required=True)
-    p.add_argument("--out", required=True, help="marker file written when the gate passes")
-
-
 def held_out_prompts(paths: list[str], fraction: float, n: int) -> list[dict]:
     """Each held-out sample's tokens up to its first supervised token (the token row tokenize wrote: the target's
     chat template with the sample's tools, data/chat_masking.py), and the data's own first response (`data_turn`:
@@ -515,17 +510,6 @@ def plot_acceptance(greedy: dict, sampled: dict, path, from_file: dict | None = 
     with storage.atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, format="png", dpi=90)
     plt.close(fig)
-
-
-def run_evaluate_gate(args) -> int:
-    report = json.loads(Path(args.report).read_text())
-    tr, un = report["trained"]["tau"], report["untrained"]["tau"]
-    if not report["passed"]:
-        raise PipelineError("evaluation gate failed: " + "; ".join(report["reasons"]))
-    with storage.atomic_open(args.out, "w") as fh:
-        fh.write(f"tau trained {tr:.3f} vs untrained {un:.3f}; lossless\n")
-    print(f"evaluation gate passed: tau trained {tr:.3f} vs untrained {un:.3f}")
-    return 0
 
 
 run_evaluate = keeps_torch_threads(_run_evaluate)
