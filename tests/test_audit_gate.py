@@ -61,22 +61,23 @@ def test_gate_passes_on_clean_data_and_warns_in_prompt_mode(tmp_path, tiny_targe
     assert "warning" in gate.stderr and "will be replaced" in gate.stderr
 
 
-def snakemake(workdir: Path, *args, config: dict) -> subprocess.CompletedProcess:
-    """The real workflow in a private copy under `workdir`, with `config` merged over the defaults."""
+def snakemake(workdir: Path, *args, config: dict, model: Path) -> subprocess.CompletedProcess:
+    """The real workflow in a private copy under `workdir`, with `config` merged over the defaults; the demo's
+    target (`model`: what the tiny_target rule builds with target_pretrain_steps 0) already in place."""
     if not (workdir / "Snakefile").exists():
-        make_workdir(workdir)
+        make_workdir(workdir, model=model)
     (workdir / "test-config.yaml").write_text(yaml.safe_dump(config))
     return run_workflow(workdir, *args, configfiles=("test-config.yaml",), check=False)
 
 
 @pytest.mark.slow
-def test_snakemake_failed_gate_stops_the_run(tmp_path):
+def test_snakemake_failed_gate_stops_the_run(tmp_path, tiny_target):
     """Training on the original placeholder answers (no regeneration): the gate stops the workflow."""
     cfg = {"generate": {"enabled": False},
            "demo": {"enabled": True, "records": 90, "placeholder_rate": 0.5, "target_pretrain_steps": 0}}
-    plan = snakemake(tmp_path, "-n", config=cfg)
+    plan = snakemake(tmp_path, "-n", config=cfg, model=tiny_target)
     assert plan.returncode == 0, plan.stderr
-    proc = snakemake(tmp_path, config=cfg)
+    proc = snakemake(tmp_path, config=cfg, model=tiny_target)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "DATA AUDIT GATE FAILED" in out and "trivial responses" in out
@@ -86,7 +87,7 @@ def test_snakemake_failed_gate_stops_the_run(tmp_path):
         assert not (tmp_path / "results" / downstream).exists(), downstream
     # once the manifest exists, a dry run plans every shard's jobs (how fast: benchmarks, not a timed assert,
     # which failed on a loaded machine)
-    plan = snakemake(tmp_path, "-n", config=cfg)
+    plan = snakemake(tmp_path, "-n", config=cfg, model=tiny_target)
     assert plan.returncode == 0
     assert "gate" in plan.stdout
 
