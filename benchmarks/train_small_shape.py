@@ -119,7 +119,7 @@ def make_run(v: dict, cfg, head, source, dist_, args) -> TrainingRun:
     """The train stage's TrainingRun for a variant (the settings of config/smollm2-real.yaml otherwise)."""
     targs = Namespace(num_anchors=args.anchors, gamma=7.0, head_chunk=v["head_chunk"], loss_weighting="decay",
                       dpace_alpha=0.5, grad_clip=1.0, labels="data", compile=v["compile"], mode="offline",
-                      layout=v["layout"], lr=6e-4, pack_align=v["pack_align"])
+                      layout=v["layout"], lr=6e-4)
     steps = StepData(source, seed=0, batch_size=v["batch"], grad_accum=1, num_anchors=args.anchors, rank=0,
                      world=1, vocab_rows=cfg.vocab_size)
     torch.manual_seed(0)
@@ -129,7 +129,7 @@ def make_run(v: dict, cfg, head, source, dist_, args) -> TrainingRun:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_factory(1000, 40))
     model = _wrap_for_training(targs, drafter, dist_)
     return TrainingRun(targs, dist_, cfg, head, source, steps, 1000, drafter, model, opt, sched, None,
-                       v["attention"], v["layout"] == "packed")
+                       v["attention"], v["layout"] == "packed", v["pack_align"])
 
 
 def sync(dev):

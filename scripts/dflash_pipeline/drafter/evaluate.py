@@ -224,6 +224,16 @@ def plain_greedy(target, prompts, max_new, stop_ids, batch_size: int = 32, graph
                       graphs=graphs)
 
 
+def _run_stats(rows, timing, t0, prompts, bs, kinds, check: dict | None = None) -> dict:
+    """One drafter's report at one temperature (the keys in report.json's order): acceptance, tokens, the
+    lossless check (greedy only), times, and tau per category and per kind of turn."""
+    per_prompt = [r.accepted for r in rows]
+    return {**_acceptance([a for acc in per_prompt for a in acc], bs),
+            "generated_tokens": sum(len(r.tokens) for r in rows), **(check or {}),
+            "wall_seconds": round(time.perf_counter() - t0, 2), "decode_seconds": round(timing["decode_seconds"], 3),
+            "by_category": _by_category(prompts, per_prompt, bs), "by_turn": _by_turn(rows, kinds, bs)}
+
+
 def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_ids, device, tie_tol,
                      batch_size: int = 32, graphs: bool = True, kinds: TurnKinds | None = None) -> dict:
     """Greedy: tau, and every output compared token for token with plain greedy decoding (drafter/lossless.py:
@@ -234,17 +244,13 @@ def evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop_
     t0 = time.perf_counter()
     rows, timing = decode_all(target, [p["prompt"] for p in prompts], max_new, stop_ids, drafter=drafter, head=head,
                               batch_size=batch_size, graphs=graphs)
-    per_prompt = [r.accepted for r in rows]
-    stats = _acceptance([a for acc in per_prompt for a in acc], drafter.config.block_size)
     check = lossless_report(rows, _as_rows(plain), [p["sample_id"] for p in prompts], timing["logits_dtype"],
                             tie_tol)
+    stats = _run_stats(rows, timing, t0, prompts, drafter.config.block_size, kinds, check)
     log.info("%s drafter, greedy: tau %.3f over %d target forwards, %d/%d outputs identical to greedy (%d ties, "
              "%d failures)", name, stats["tau"], stats["target_forwards"], check["identical_outputs"], len(prompts),
              check["numerical_ties"], len(check["lossless_failures"]))
-    return {**stats, "generated_tokens": sum(len(r.tokens) for r in rows), **check,
-            "wall_seconds": round(time.perf_counter() - t0, 2), "decode_seconds": round(timing["decode_seconds"], 3),
-            "by_category": _by_category(prompts, per_prompt, drafter.config.block_size),
-            "by_turn": _by_turn(rows, kinds, drafter.config.block_size)}
+    return stats
 
 
 def evaluate_sampled(name, target, drafter, head, prompts, max_new, stop_ids, device, temperature, seed,
@@ -256,14 +262,10 @@ def evaluate_sampled(name, target, drafter, head, prompts, max_new, stop_ids, de
     t0 = time.perf_counter()
     rows, timing = decode_all(target, [p["prompt"] for p in prompts], max_new, stop_ids, drafter=drafter, head=head,
                               rule=BatchedSampling(temperature), seed=seed, batch_size=batch_size, graphs=graphs)
-    per_prompt = [r.accepted for r in rows]
-    stats = _acceptance([a for acc in per_prompt for a in acc], drafter.config.block_size)
+    stats = _run_stats(rows, timing, t0, prompts, drafter.config.block_size, kinds)
     log.info("%s drafter, temperature %g: tau %.3f over %d target forwards", name, temperature, stats["tau"],
              stats["target_forwards"])
-    return {**stats, "generated_tokens": sum(len(r.tokens) for r in rows),
-            "wall_seconds": round(time.perf_counter() - t0, 2), "decode_seconds": round(timing["decode_seconds"], 3),
-            "by_category": _by_category(prompts, per_prompt, drafter.config.block_size),
-            "by_turn": _by_turn(rows, kinds, drafter.config.block_size)}
+    return stats
 
 
 def evaluate_prompt_set(args, target, head, drafters, prompts, stop_ids, device,

@@ -166,6 +166,7 @@ class TrainingRun:
     target: torch.nn.Module | None
     attention: str
     packed: bool = False
+    pack_align: int = 1  # packed samples start at multiples of this (benchmarks' `a128`; not a setting yet)
 
     @property
     def device(self) -> torch.device:
@@ -336,8 +337,8 @@ def collate_micro(run: TrainingRun, micro) -> list:
     pinned on GPU runs (built in the prefetch thread, so the copy to the GPU is all the step waits for)."""
     out = []
     for samples, anchors in micro:
-        if run.packed:  # pack_align: benchmarks/train_small_shape.py's `a128`, not a setting yet
-            batch = collate_packed(samples, anchors, sample_multiple=getattr(run.args, "pack_align", 1))
+        if run.packed:
+            batch = collate_packed(samples, anchors, sample_multiple=run.pack_align)
         else:  # fixed padded shapes on GPU, so compiled kernels see few distinct shapes
             batch = collate(samples, anchors, pad_multiple=256 if run.gpu else 1,
                             num_blocks=run.args.num_anchors if run.gpu else 0)
