@@ -250,11 +250,12 @@ def test_one_invocation_redoes_exactly_what_the_change_invalidates(pristine, tmp
     configs = change(work, ("tiny.yaml",))
     # Training onward is the same jobs after every change, and extraction the same per shard: the rows of
     # train_lr and extract_codec run them up to train (export and evaluation after a change are the full run's,
-    # the fixture's: --omit-from export); the other rows stop before train (--omit-from train, which leaves
-    # extraction without a consumer). The dry run that follows must plan exactly the omitted jobs, no more. (The
-    # run is the same one invocation cut in two: the dry run after it plans the whole rest of the DAG.)
+    # the fixture's: --omit-from export); the other rows stop before extraction (--omit-from extract: their
+    # change is upstream of it, and whether it reaches extraction, and for which shards, is the count the dry
+    # run plans). The dry run that follows must plan exactly the omitted jobs, no more. (The run is the same one
+    # invocation cut in two: the dry run after it plans the whole rest of the DAG.)
     trains = change.__name__ in ("train_lr", "extract_codec")
-    omit = ("--omit-from", "export" if trains else "train")
+    omit = ("--omit-from", "export" if trains else "extract")
     jobs = ran(snakemake(work, "--cores", "2", *omit, configfiles=configs))
     expected = _expected(change, len(shards))
     if change is change_one_record:
@@ -264,14 +265,16 @@ def test_one_invocation_redoes_exactly_what_the_change_invalidates(pristine, tmp
         if sample_identity(str(work / "results/calibration/sample.parquet")) != sample_before:
             expected["calibrate"] = 1
     rest = planned(snakemake(work, "-n", configfiles=configs))
-    # (Snakemake may or may not run extraction before an omitted consumer: either way, once in all)
     assert set(rest) <= set(TRAIN_ONWARDS) | {"extract", "hidden_from_group"}, rest
     if trains:  # training ran after the change (and, for extract_codec, the new extraction it reads)
         assert jobs.get("train") == 1 and "extract" not in rest, (jobs, rest)
+    else:
+        assert "extract" not in jobs, jobs
     assert dict(Counter(jobs) + Counter(rest)) == expected, (jobs, rest)
     redone = _per_shard(p for p in changed(before, snapshot(work)) if "/completions/" in p or "/hidden/" in p)
     if change in (add_raw_file, change_one_record):
-        # generation and extraction of no other shard: its files are the very same
+        # generation of no other shard: its files are the very same (and extraction of none: one extract job
+        # above, in the jobs planned after the run)
         assert len(redone) == 1 and set(redone) <= set(_shards(work)), redone
     if change is add_raw_file:
         assert calibration.stat().st_mtime_ns == before[str(calibration.relative_to(work))]

@@ -56,13 +56,13 @@ def test_measured_rates_are_used_and_labelled():
 
 
 @pytest.mark.slow
-def test_calibrate_rates_runs_before_the_plan_through_the_workflow(tmp_path):
+def test_calibrate_rates_runs_before_the_plan_through_the_workflow(tmp_path, tiny_target):
     """cost.calibrate_rates through the real Snakefile (tiny config, CPU): the rates job measures extraction and
     training with the run's settings, the plan projects both from them ("measured"), and a new learning rate
     (training's outcome, not its speed) measures nothing again while a new batch size does."""
     from workflow_runs import make_workdir, snakemake
 
-    work = make_workdir(tmp_path / "w")
+    work = make_workdir(tmp_path / "w", model=tiny_target)  # the session's: what the demo's rule builds here
     (work / "rates.yaml").write_text("cost:\n  calibrate_rates: true\n  calibrate_rates_tokens: 2048\n"
                                      "  calibrate_rates_train_steps: 2\n")
     configs = ("tiny.yaml", "rates.yaml")

@@ -12,6 +12,7 @@ import pytest
 from conftest import S3_BUCKET as BUCKET
 from conftest import S3_KEY as KEY
 from conftest import S3_SECRET as SECRET
+from rerun_scenarios import ran
 from workflow_runs import make_workdir, planned, snakemake, workflow_env
 
 pytestmark = pytest.mark.slow
@@ -28,9 +29,14 @@ def _objects(client) -> dict[str, object]:
 
 
 @pytest.mark.timeout(1200)  # ~250-330 s on an idle 2-core machine; the suite's 600 s ran out on a busy one
-def test_pipeline_on_s3(s3_server, tmp_path):
+def test_pipeline_on_s3(s3_server, tmp_path, tiny_target):
     url, client = s3_server
     workdir = make_workdir(tmp_path / "run")
+    # the demo's tiny target already in place, as an object under the run's prefix as the tiny_target rule would
+    # write it (the session's: what that rule builds at target_pretrain_steps 0): the run does not build it
+    target = sorted(p.name for p in tiny_target.iterdir() if p.is_file())
+    for name in target:
+        client.upload_file(str(tiny_target / name), BUCKET, f"{PREFIX}/resources/demo-target/{name}")
     env = workflow_env(
         SNAKEMAKE_STORAGE_S3_ACCESS_KEY=KEY, SNAKEMAKE_STORAGE_S3_SECRET_KEY=SECRET,
         AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET, AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=url,
@@ -50,9 +56,11 @@ def test_pipeline_on_s3(s3_server, tmp_path):
         return proc
 
     t0 = time.monotonic()
-    run("--cores", "2")
+    first = run("--cores", "2")
     full = time.monotonic() - t0
+    assert "tiny_target" not in ran(first) and ran(first).get("train") == 1, ran(first)
     objects = _objects(client)
+    assert {f"resources/demo-target/{name}" for name in target} <= set(objects)
     # every stage's outputs are objects; nothing was written to a local results/ directory
     for key in ("data/demo/sharegpt_part2.jsonl.gz", "results/ingest/manifest.json", "results/audit/source/gate.ok",
                 "results/audit/regenerated/gate.ok", "results/evaluate/report.json"):
