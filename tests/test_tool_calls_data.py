@@ -373,6 +373,28 @@ def test_tokenize_shard_with_tools(tmp_path, demo_tokenizer_dir):
     assert supervised_runs(tok, SimpleNamespace(**row)) == [OA_CALLS, OA_ANSWER]
 
 
+def test_samples_ending_in_bare_calls_are_not_one_repeated_answer(tmp_path, demo_tokenizer_dir):
+    """What `generate.turns: first` makes of a tool-calling sample: it ends with the target's call and no text. The
+    placeholder check counts the call as the answer: calls with other arguments are other answers (not 12 samples
+    of one empty answer, a placeholder), the same call repeated is one answer repeated."""
+    from dflash_pipeline.data.tokenize import final_answer, tokenize_shard
+
+    cities = [f"City{k}" for k in range(12)]
+    records = [{"id": f"call-{c}", "tools": [WEATHER_TOOL], "messages": [
+        {"role": "user", "content": f"Weather in {c}?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": c}}}]}]}
+        for c in cities]
+    shard = _ingested_shard(tmp_path, records + [CHAT])
+    audit = tokenize_shard(shard, str(demo_tokenizer_dir), str(tmp_path / "t.parquet"), str(tmp_path / "a.json"),
+                           max_length=4096)
+    assert audit["samples"] == 13 and sorted(audit["answer_hashes"].values()) == [1] * 13
+    assert 'get_weather({"city": "city0"})' in audit["answer_texts"].values()
+    call = {"role": "assistant", "content": "", "tool_calls": json.dumps([CALL])}
+    assert final_answer(call) == 'get_weather({"city": "Paris"})' == final_answer({**call, "tool_calls": [CALL]})
+    assert final_answer({"role": "assistant", "content": "Hello.", "tool_calls": None}) == "Hello."
+
+
 def test_control_tokens_in_call_arguments_or_tools_are_refused(tmp_path, demo_tokenizer_dir):
     from dflash_pipeline.data.tokenize import tokenize_shard
 
