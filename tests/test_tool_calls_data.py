@@ -248,6 +248,61 @@ def test_demo_tool_result_without_call_is_quarantined_as_such(tmp_path):
     assert stats["tool_calls"]["malformed_quarantined"] == 1 and (stats["records_read"], stats["kept"]) == (14, 13)
 
 
+def test_demo_raw_files_carry_tool_conversations_in_both_shapes(tmp_path):
+    """The default demo's raw files: 5% of the records call a tool, ShareGPT function_call/observation in part 1
+    and OpenAI tool_calls/tool in part 3, each record listing the tool; ingest keeps every one with its tools and
+    calls, and its counts add up (the only tool-related quarantine is the malformed demo record)."""
+    import gzip
+
+    import zstandard
+
+    from dflash_pipeline.data.ingest import ingest_file
+    from dflash_pipeline.demo.data import TOOLS, write_demo
+
+    info = write_demo(tmp_path / "raw", n_records=360)
+    assert info["tool_conversations"] == 18 and info["conversations"] == 360
+    raw = tmp_path / "raw"
+    part1 = json.loads((raw / "sharegpt_part1_cleaned_split.json").read_text())
+    part2 = [json.loads(line) for line in gzip.decompress((raw / "sharegpt_part2.jsonl.gz").read_bytes()).splitlines()
+             if line.startswith(b'{"id": "p2-')]
+    part3 = [json.loads(line) for line in zstandard.ZstdDecompressor().decompressobj().decompress(
+        (raw / "openai_part3.jsonl.zst").read_bytes()).splitlines()]
+    sharegpt_tools = [r for r in part1 if "tools" in r]
+    openai_tools = [r for r in part3 if "tools" in r]
+    assert len(sharegpt_tools) == len(openai_tools) == 9 and not [r for r in part2 if "tools" in r]
+    for r in sharegpt_tools:  # LLaMA-Factory: tools as JSON text of bare schemas, a call then its observation
+        assert json.loads(r["tools"]) == [t["function"] for t in TOOLS]
+        roles = [t["from"] for t in r["conversations"]]
+        assert roles[-4:] == ["human", "function_call", "observation", "gpt"], roles
+        call = json.loads(r["conversations"][-3]["value"])
+        assert call["name"] == "calculator" and set(call["arguments"]) == {"op", "a", "b"}
+    for r in openai_tools:  # OpenAI: arguments as JSON text, the result answers the call's id
+        assert r["tools"] == TOOLS
+        assistant, result = r["messages"][-3], r["messages"][-2]
+        assert assistant["content"] is None and result["role"] == "tool"
+        (call,) = assistant["tool_calls"]
+        assert result["tool_call_id"] == call["id"] and isinstance(call["function"]["arguments"], str)
+
+    expected = {"sharegpt_part1_cleaned_split.json": (sharegpt_tools, 0),
+                "openai_part3.jsonl.zst": (openai_tools, 1)}  # 1: the tool-result-without-call record
+    for name, (records, malformed) in expected.items():
+        out = tmp_path / name
+        stats = ingest_file(str(raw / name), str(out) + ".parquet", str(out) + ".json", str(out) + ".q.jsonl")
+        assert stats["records_read"] == stats["kept"] + stats["quarantined"]
+        assert stats["tool_calls"] == {"samples": len(records), "calls": len(records), "malformed_quarantined": malformed}
+        rows = {r["source_id"]: r for r in pq.read_table(str(out) + ".parquet").to_pylist()}
+        for record in records:
+            row = rows[record["id"]]
+            assert sample_tools(row) == TOOLS  # both shapes stored the same way: OpenAI tools
+            calls = [m for m in row["messages"] if m["tool_calls"]]
+            results = [m for m in row["messages"] if m["role"] == "tool"]
+            assert len(calls) == len(results) == 1
+            (call,) = json.loads(calls[0]["tool_calls"])
+            assert results[0]["tool_call_id"] == call["id"] and results[0]["name"] == call["function"]["name"]
+            assert isinstance(call["function"]["arguments"], dict)
+            assert row["messages"][-1]["role"] == "assistant" and row["messages"][-1]["content"]
+
+
 # --- masks: rendered through the template with tools=, supervised on the assistant's text and calls ----------
 
 
@@ -371,6 +426,28 @@ def test_tokenize_shard_with_tools(tmp_path, demo_tokenizer_dir):
     row = rows[sample_id(*normalize_record(openai_record())[1:])]
     tok = load(demo_tokenizer_dir)
     assert supervised_runs(tok, SimpleNamespace(**row)) == [OA_CALLS, OA_ANSWER]
+
+
+def test_samples_ending_in_bare_calls_are_not_one_repeated_answer(tmp_path, demo_tokenizer_dir):
+    """What `generate.turns: first` makes of a tool-calling sample: it ends with the target's call and no text. The
+    placeholder check counts the call as the answer: calls with other arguments are other answers (not 12 samples
+    of one empty answer, a placeholder), the same call repeated is one answer repeated."""
+    from dflash_pipeline.data.tokenize import final_answer, tokenize_shard
+
+    cities = [f"City{k}" for k in range(12)]
+    records = [{"id": f"call-{c}", "tools": [WEATHER_TOOL], "messages": [
+        {"role": "user", "content": f"Weather in {c}?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": c}}}]}]}
+        for c in cities]
+    shard = _ingested_shard(tmp_path, records + [CHAT])
+    audit = tokenize_shard(shard, str(demo_tokenizer_dir), str(tmp_path / "t.parquet"), str(tmp_path / "a.json"),
+                           max_length=4096)
+    assert audit["samples"] == 13 and sorted(audit["answer_hashes"].values()) == [1] * 13
+    assert 'get_weather({"city": "city0"})' in audit["answer_texts"].values()
+    call = {"role": "assistant", "content": "", "tool_calls": json.dumps([CALL])}
+    assert final_answer(call) == 'get_weather({"city": "Paris"})' == final_answer({**call, "tool_calls": [CALL]})
+    assert final_answer({"role": "assistant", "content": "Hello.", "tool_calls": None}) == "Hello."
 
 
 def test_control_tokens_in_call_arguments_or_tools_are_refused(tmp_path, demo_tokenizer_dir):

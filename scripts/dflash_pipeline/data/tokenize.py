@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.data.audit_stats import AUDIT_FORMAT, Histogram, answer_hash, answer_key
-from dflash_pipeline.data.conversations import ROLES, check_conversation_table, sample_tools
+from dflash_pipeline.data.conversations import ROLES, check_conversation_table, sample_tools, tool_calls_of
 from dflash_pipeline.data.generated_tokens import encode_conversations, token_id_columns
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.progress import Progress
@@ -85,6 +85,15 @@ def forged_turn(messages: list[dict], pattern: re.Pattern | None, trusted_roles:
     return None
 
 
+def final_answer(message: dict) -> str:
+    """A sample's final answer as the placeholder check counts it: the last assistant turn's text, and the calls
+    it makes (name and arguments). A bare call has no text: without its calls, every sample ending in a call
+    would count as one repeated empty answer, a placeholder."""
+    calls = [f"{c['function']['name']}({json.dumps(c['function'].get('arguments'), sort_keys=True)})"
+             for c in tool_calls_of(message)]
+    return " ".join([message["content"]] + calls if message["content"] else calls) if calls else message["content"] or ""
+
+
 class ShardAudit:
     """Per-shard audit numbers; everything is bounded by the shard's size (the audit stage merges them)."""
 
@@ -111,7 +120,7 @@ class ShardAudit:
         self.roles.update(m["role"] for m in messages)
         self._count(messages, assistant, sample, n_loss)
         if assistant:
-            key = answer_key(assistant[-1]["content"] or "")
+            key = answer_key(final_answer(assistant[-1]))
             h = answer_hash(key)
             self.answers[h] += 1
             if not key.startswith("sha:"):

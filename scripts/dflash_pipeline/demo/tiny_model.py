@@ -1,7 +1,8 @@
 """A tiny, randomly initialised Qwen3 target with a real byte-level BPE tokenizer and chat template.
 
 Nothing can be downloaded from a model hub here, so the demo and the tests build their target: a
-tokenizer trained on the demo corpus (special tokens <|im_start|>, <|im_end|>, <think>, </think>), the
+tokenizer trained on the demo corpus (special tokens <|im_start|>, <|im_end|>, <think>, </think>; the
+tool-calling markup <tool_call>, </tool_call>, <tool_response>, </tool_response> one token each), the
 project's Qwen3-style chat template, and `Qwen3ForCausalLM` from a small config with a fixed seed.
 The embedding has spare rows past the tokenizer's vocabulary; the last one is the drafter's mask token.
 """
@@ -13,11 +14,26 @@ import json
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+# tool-calling markup, one token each and not special (as in Qwen3's vocabulary): text may hold them
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 
 
 def chat_template() -> str:
     return TEMPLATE_PATH.read_text(encoding="utf-8")
+
+
+def render_for_corpus(messages: list[dict], tools: list[dict] | None) -> str:
+    """A conversation as the chat template renders it (jinja2 set up as transformers does), without the special
+    tokens: tokenizer training text for the template's markup."""
+    import jinja2
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
+    text = env.from_string(chat_template()).render(messages=messages, tools=tools, add_generation_prompt=False)
+    for token in SPECIAL_TOKENS + TOOL_TOKENS:
+        text = text.replace(token, " ")
+    return text
 
 
 def build_tokenizer(texts, vocab_size: int):
@@ -34,6 +50,7 @@ def build_tokenizer(texts, vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_tokens(TOOL_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -68,25 +85,31 @@ def build_model(vocab_size: int, args, seed: int, eos_token_id: int | None = Non
     return model
 
 
-def pretrain(model, tokenizer, steps: int, seed: int, seq_len: int = 128, batch: int = 8, lr: float = 3e-3) -> float:
-    """A few hundred CPU steps of next-token training on chat-rendered demo conversations.
+def pretrain(model, tokenizer, steps: int, seed: int, seq_len: int = 256, batch: int = 4, lr: float = 3e-3,
+             tool_share: float = 0.1) -> float:
+    """A few hundred CPU steps of next-token training on chat-rendered demo conversations (`tool_share` of them
+    tool-calling ones: the call, the tool's result and the answer, as the template renders them with the tools).
 
     A randomly initialised target answers with noise that no drafter can predict; a briefly trained one
     answers in the demo's patterns, as a real model answers in its own, so the demo's drafter has something
-    to learn and its acceptance length means something. Returns the final loss.
+    to learn and its acceptance length means something. Windows of 256 tokens: a tool-calling prompt (tools
+    header and schema, ~170 tokens) and its call fit in one (in 128-token windows the target never saw a call
+    that far from the prompt's start and answered tool prompts with noise). Returns the final loss.
     """
     import random
 
     import torch
 
-    from dflash_pipeline.demo.data import make_conversation
+    from dflash_pipeline.demo.data import chat_messages, make_conversation, make_tool_conversation
 
     rng = random.Random(seed)
     ids: list[int] = []
     while len(ids) < steps * batch * seq_len // 3:  # ~3 passes over the corpus
-        turns = make_conversation(rng, placeholder_rate=0.0)
-        msgs = [{"role": r, "content": t} for r, t in turns]
-        ids += tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
+        # `tool_share` of the conversations call a tool, rendered with the tools listed in the system turn, so
+        # that the target answers a prompt listing tools with a <tool_call> (what the demo's tool records teach)
+        tool = rng.random() < tool_share
+        msgs, tools = chat_messages(make_tool_conversation(rng) if tool else make_conversation(rng, 0.0))
+        ids += tokenizer.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True)["input_ids"]
     data = torch.tensor(ids, dtype=torch.long)
     n_windows = (len(data) - 1) // seq_len
     gen = torch.Generator().manual_seed(seed)
