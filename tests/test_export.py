@@ -22,7 +22,8 @@ from dflash_pipeline.drafter.export import load_exported
 def trained_dir(tiny_target, tmp_path_factory):
     """A train-stage output directory holding a drafter with random (non-default) weights."""
     tc = read_target_config(tiny_target)
-    cfg = DrafterConfig.from_target(tc, 2, [1, 4, 6], 16, 1343, 1344)
+    # the mask token is the embedding's last spare row (past the tokenizer's vocabulary), as the plan picks it
+    cfg = DrafterConfig.from_target(tc, 2, [1, 4, 6], 16, tc["vocab_size"] - 1, tc["vocab_size"])
     torch.manual_seed(3)
     model = DFlashDrafter(cfg)
     with torch.no_grad():
@@ -54,7 +55,8 @@ def test_export_layout_and_identical_logits(tiny_target, trained_dir, tmp_path):
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["model_type"] == "qwen3"
     assert cfg["num_hidden_layers"] == 2 and cfg["block_size"] == 16 and cfg["num_target_layers"] == 8
-    assert cfg["dflash_config"] == {"mask_token_id": 1343, "target_layer_ids": [1, 4, 6]}
+    mask = read_target_config(tiny_target)["vocab_size"] - 1
+    assert cfg["dflash_config"] == {"mask_token_id": mask, "target_layer_ids": [1, 4, 6]}
     assert cfg["hidden_size"] == 128 and cfg["head_dim"] == 32 and cfg["num_key_value_heads"] == 2
     assert cfg["layer_types"] == ["full_attention"] * 2
     with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
@@ -66,7 +68,7 @@ def test_export_layout_and_identical_logits(tiny_target, trained_dir, tmp_path):
 
     head = load_target_head(tiny_target)
     back = load_exported(out)
-    assert back.config.target_layer_ids == [1, 4, 6] and back.config.mask_token_id == 1343
+    assert back.config.target_layer_ids == [1, 4, 6] and back.config.mask_token_id == mask
     assert torch.equal(_logits(model.eval(), head, model.config), _logits(back, head, back.config))
 
     # the default bf16 export: same weights rounded, logits close

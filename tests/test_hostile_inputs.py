@@ -191,7 +191,8 @@ def test_export_and_evaluate_check_the_layer_count_against_the_weights_first(tin
     from dflash_pipeline.drafter.model import DFlashDrafter
     from dflash_pipeline.target import read_config
 
-    cfg = DrafterConfig.from_target(read_config(tiny_target), 2, [1, 4], 16, 1343, 1344)
+    tc = read_config(tiny_target)  # its vocabulary rows: the drafter's head must match them
+    cfg = DrafterConfig.from_target(tc, 2, [1, 4], 16, 1343, tc["vocab_size"])
     src = tmp_path / "drafter"
     src.mkdir()
     save_file(DFlashDrafter(cfg).engine_state_dict(), str(src / "drafter.safetensors"))

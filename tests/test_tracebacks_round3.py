@@ -59,7 +59,8 @@ def test_train_on_a_full_disk_names_the_checkpoint(tiny_target, token_shards, tm
 
 
 def _drafter_dir(tiny_target, root):
-    cfg = DrafterConfig.from_target(read_config(tiny_target), 2, [1, 4, 6], 16, 1343, 1344)
+    tc = read_config(tiny_target)  # its vocabulary rows: the drafter's head must match them
+    cfg = DrafterConfig.from_target(tc, 2, [1, 4, 6], 16, 1343, tc["vocab_size"])
     out = root / "drafter"
     out.mkdir()
     save_file(DFlashDrafter(cfg).engine_state_dict(), str(out / "drafter.safetensors"))
