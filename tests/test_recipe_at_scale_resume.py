@@ -155,3 +155,41 @@ def test_weights_only_bundle_resumes_at_the_same_step(runs):
     assert w.dtype == torch.float32 and torch.equal(w, w.to(torch.bfloat16).float())
     summary = json.loads((c.train / "paper" / "drafter" / "summary.json").read_text())
     assert summary["resumed_from_step"] == STOP_AT - 2 and summary["steps"] == 20
+
+
+def test_peer_subset_is_the_largest_prefix_that_fits():
+    per = ras.peer_bytes_per_token(576, 5)
+    assert per == {"specforge": 5760, "speculators": 6912}
+    assert ras.peer_subset([100, 100, 100], 10, free_bytes=3000, margin=1.0) == 3
+    assert ras.peer_subset([100, 100, 100], 10, free_bytes=2999, margin=1.0) == 2
+    assert ras.peer_subset([100, 100, 100], 10, free_bytes=2000, margin=0.85) == 1
+
+
+def test_one_peers_files_at_a_time_from_ours_samples(runs, tiny_target):
+    """SpecForge's files for the peer subset, from the samples our `paper@peer` run trained on; the other peer's
+    data is refused while they are on disk, and peer-clean removes them."""
+    import torch
+
+    root = runs["root"]
+    a = ras.Work(root / "a")
+
+    def call(*stages, extra=()):
+        ras.main([*stages, "--tiny", "--device", "cpu", "--work", str(a.root), "--out", str(root / "a-out"),
+                  "--kit", str(root / "kit"), "--target-dir", str(tiny_target), *extra])
+
+    call("peer-plan", "train", extra=("--runs", "paper@peer"))
+    plan = json.loads((a.results / "peer-plan.json").read_text())
+    assert plan["shards"] == [f"{s}.parquet" for s in ras.shard_names(a)[:2]] and plan["equal_to_sub"]
+    call("peer-data", extra=("--peer", "specforge"))
+    files = sorted((a.peers / "peer_sf").glob("sample_*.ckpt"))
+    man = json.loads((a.results / "peer-data-specforge.json").read_text())
+    summary = json.loads((a.train / "paper@peer" / "drafter" / "summary.json").read_text())
+    assert len(files) == man["samples"] == summary["samples"]  # the samples ours trained on
+    x = torch.load(files[0], weights_only=True)
+    n_ids = len(man["recipe"]["target_layer_ids"])
+    hidden = json.loads((tiny_target / "config.json").read_text())["hidden_size"]
+    assert x["hidden_states"].shape == (len(x["input_ids"]), n_ids * hidden) and x["hidden_states"].dtype == torch.bfloat16
+    with pytest.raises(SystemExit, match="peer-clean"):
+        call("peer-data", extra=("--peer", "speculators"))
+    call("peer-clean", extra=("--peer", "specforge"))
+    assert not (a.peers / "peer_sf").exists()
