@@ -53,8 +53,8 @@ SCALE = {
     "records": 0,              # conversations read (0: all 17,671 complete records of the packaged file)
     "max_turns": 3,            # user turns kept per conversation: ~39.5K turns (4: ~46.7K)
     "prompt_max_chars": 6000,  # cumulative user text per conversation (~1,700 tokens)
-    "shard_size": 2048,        # conversations per ingested shard (~4.6K turn samples)
-    "max_new_tokens": 320,     # per regenerated turn (256-384 asked)
+    "shard_size": 1024,        # conversations per ingested shard (~2.3K turn samples; generation resumes per shard)
+    "max_new_tokens": 256,     # per regenerated turn (the issue asks 256-384: the low end fits the GPU time)
     "temperature": 0.7,
     "context": 2048,           # generation context = training max_length: a later turn that cannot fit ends it
     "gen_batch": 512,          # slot engine rows (KV cache 512 x 2048 x 30 layers: ~24 GB bf16)
@@ -65,7 +65,7 @@ SCALE = {
     "holdout_fraction": 0.02,
     "eval_max_new_tokens": 256, "eval_prompts": 80,
     "bundle_part_mib": 15,     # a file back from $OUT may be 16 MiB
-    "bundle_mib": 52,          # carried out again beside the tree (~2 MB), kit data (~5 MB), zstandard (5.5 MB)
+    "bundle_mib": 48,          # carried out again beside the tree and the kit (11.6 MiB of the 64; `carry`)
 }
 TINY = {"records": 0, "max_turns": 3, "prompt_max_chars": 400, "shard_size": 8, "max_new_tokens": 8,
         "temperature": 0.7, "context": 256, "gen_batch": 16, "num_layers": 1, "num_anchors": 8, "batch_size": 4,
@@ -222,14 +222,14 @@ PEER_WHEELS = ("dflash", "specforge", "speculators", "hs_connectors", "loguru", 
 
 # ------------------------------------------------------------------------------------------------ parts, bundle
 def join_sets(src: Path, dest: Path) -> list[str]:
-    """Every set under src whose parts are all there and check: joined into dest/<set> (verified); returns names."""
+    """Every set under src whose parts are all there and check: joined into dest/<set> (verified); returns the
+    names joined by this call."""
     joined = []
     for man_path in sorted(src.glob("*.set.json")):
         man = read_json(man_path)
-        out = dest / man["set"]
-        if out.exists() and out.stat().st_size == man["size"]:
-            joined.append(man["set"])
-            continue
+        out, mark = dest / man["set"], dest / f"{man['set']}.joined"
+        if out.exists() and mark.exists() and mark.read_text() == man["sha256"]:
+            continue  # joined by an earlier call of this machine
         parts = [src / p["name"] for p in man["parts"]]
         if not all(p.exists() and p.stat().st_size == q["size"] for p, q in zip(parts, man["parts"])):
             log(f"set {man['set']}: {sum(p.exists() for p in parts)} of {len(parts)} parts here (the rest next call)")
@@ -245,6 +245,7 @@ def join_sets(src: Path, dest: Path) -> list[str]:
             tmp.unlink()
             raise SystemExit(f"set {man['set']}: sha256 {h.hexdigest()} is not {man['sha256']} (a damaged part)")
         os.replace(tmp, out)
+        mark.write_text(man["sha256"])
         joined.append(man["set"])
     return joined
 
@@ -629,6 +630,7 @@ def stage_train(a) -> None:
     5.8 KB would not fit the 64 GB disk), resumed from its newest checkpoint; then export (bf16)."""
     w = Work(a.work)
     gpu = a.device == "cuda"
+    stage_tokens(a)  # a cold machine rebuilds the token shards from the regen files first (same bytes)
     for run in a.runs.split(","):
         st = (w.progress().get("runs") or {}).get(run) or {}
         if st.get("exported"):
@@ -885,6 +887,57 @@ PEER_STAGES = {"peer-plan": stage_peer_plan, "peer-data": stage_peer_data, "peer
                "peer-clean": stage_peer_clean}
 
 
+# ------------------------------------------------------------------------------------------------ carry (here)
+CARRY_LIMIT = 64 * 2**20  # the working tree and carried paths of one device call
+
+
+def tree_bytes(repo: Path) -> int:
+    """What every call sends besides carried paths: tracked files and untracked ones git does not ignore."""
+    import subprocess
+
+    names = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "-co", "--exclude-standard"],
+                           capture_output=True, check=True).stdout.split(b"\0")
+    return sum((repo / n.decode()).stat().st_size for n in names if n and (repo / n.decode()).is_file())
+
+
+def plan_calls(files: list[Path], capacity: int) -> list[list[Path]]:
+    """Files into as few calls as fit `capacity` each, in order (a set's parts stay in order: GGUF, then bundle)."""
+    calls, used = [[]], 0
+    for f in files:
+        size = f.stat().st_size
+        if size > capacity:
+            raise SystemExit(f"{f.name}: {size / 2**20:.1f} MiB does not fit one call ({capacity / 2**20:.1f} MiB left)")
+        if used + size > capacity:
+            calls.append([])
+            used = 0
+        calls[-1].append(f)
+        used += size
+    return [c for c in calls if c]
+
+
+def stage_carry(a) -> None:
+    """The next calls' payload folders .device/scale/in-1, in-2, ... (here): with --cold the GGUF parts, then the
+    bundle that came back (--in: files_at of the last call), each folder within what the tree and the kit leave."""
+    kit, dest = Path(a.kit), Path(a.kit).parent
+    fixed = tree_bytes(REPO) + sum(f.stat().st_size for d in ("data", "whl") + (("whl-peers",) if a.peers else ())
+                                   for f in (kit / d).rglob("*") if f.is_file())
+    files = sorted((kit / "gguf").glob("*")) if a.cold else []
+    for src in [Path(p) for p in a.inputs]:
+        files += sorted(f for f in src.glob("bundle.tar.zst*") if f.is_file())
+    for old in dest.glob("in-*"):
+        shutil.rmtree(old)
+    calls = plan_calls(files, CARRY_LIMIT - fixed - 2**20)  # 1 MiB of slack for files written in the meantime
+    for k, group in enumerate(calls, 1):
+        (dest / f"in-{k}").mkdir()
+        for f in group:
+            shutil.copyfile(f, dest / f"in-{k}" / f.name)
+    carry = [".device/scale/kit/data", ".device/scale/kit/whl"] + ([".device/scale/kit/whl-peers"] if a.peers else [])
+    log(f"fixed per call {fixed / 2**20:.1f} MiB (tree + kit); {len(calls)} call(s) to bring the payload in:")
+    for k, group in enumerate(calls, 1):
+        log(f"  call {k}: carry {json.dumps(carry + [f'.device/scale/in-{k}'])}  "
+            f"({sum(f.stat().st_size for f in group) / 2**20:.1f} MiB: {', '.join(f.name for f in group)})")
+
+
 # ------------------------------------------------------------------------------------------------ estimate (here)
 def checkpoint_sizes(target_cfg: dict, num_layers: int) -> dict:
     """Bytes of a drafter of this shape: parameters, the full checkpoint (fp32 + AdamW moments after a step) and
@@ -982,7 +1035,8 @@ def stage_table(a) -> None:
 
 STAGES = {"kit": stage_kit, "gather": stage_gather, "target": stage_target, "prep": stage_prep,
           "generate": stage_generate, "tokens": stage_tokens, "train": stage_train, "evaluate": stage_evaluate,
-          "pack": stage_pack, "table": stage_table, "estimate": stage_estimate, **PEER_STAGES}
+          "pack": stage_pack, "table": stage_table, "estimate": stage_estimate,
+          "carry": stage_carry, **PEER_STAGES}
 
 
 def parse_args(argv=None):
@@ -1003,6 +1057,8 @@ def parse_args(argv=None):
     ap.add_argument("--bundle-optimizer", choices=["auto", "always", "never"], default="auto",
                     help="pack: the optimizer moments with the checkpoint (auto: when the bundle budget allows)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--cold", action="store_true", help="carry: the next machine is cold (send the GGUF parts)")
+    ap.add_argument("--peers", action="store_true", help="carry: the peers' wheels travel too")
     ap.add_argument("--sample", type=int, default=0, help="estimate: conversations read (0: all)")
     ap.add_argument("--tiny", action="store_true", help="the CPU test's scale")
     return ap.parse_args(argv)
