@@ -1016,17 +1016,30 @@ def stage_estimate(a) -> None:
 
 # ------------------------------------------------------------------------------------------------ table
 def stage_table(a) -> None:
+    """tau per MT-Bench category (greedy / T=0.7) and pooled for every evaluated drafter, with its training data,
+    steps and steady training tokens/s."""
     w = Work(a.work)
+    evals = {p.stem.removeprefix("eval-"): read_json(p) for p in sorted(w.results.glob("eval-*.json"))}
+    cats = sorted({c for e in evals.values() for c in e["greedy"] if c != "pooled"})
+    runs = w.progress().get("runs") or {}
+    head = ["run", "data", "steps", "train tok/s"] + [f"{c} g/T.7" for c in cats] + ["pooled greedy", "pooled T=0.7",
+                                                                                      "lossless"]
     rows = []
-    for p in sorted(w.results.glob("eval-*.json")):
-        e, name = read_json(p), p.stem.removeprefix("eval-")
+    for name, e in evals.items():
         t = read_json(w.results / f"train-{name}.json", {}) or {}
-        rows.append((name, e["greedy"]["pooled"]["tau"], e["T0.7"]["pooled"]["tau"], e["lossless_failures"],
-                     t.get("median_tokens_per_s")))
-    lines = [f"{'run':<24} {'tau greedy':>10} {'tau T=0.7':>10} {'lossless':>9} {'train tok/s':>12}"]
-    for n, g, s, lf, tps in rows:
-        lines.append(f"{n:<24} {g:>10.3f} {s:>10.3f} {'yes' if lf == 0 else f'NO {lf}':>9} "
-                     f"{(f'{tps:,.0f}' if tps else '-'):>12}")
+        tps = t.get("median_tokens_per_s")
+        rows.append([name, (runs.get(name) or {}).get("data", "-"), t.get("steps", "-"), f"{tps:,.0f}" if tps else "-"]
+                    + [f"{e['greedy'][c]['tau']:.2f}/{e['T0.7'][c]['tau']:.2f}" for c in cats]
+                    + [f"{e['greedy']['pooled']['tau']:.3f}", f"{e['T0.7']['pooled']['tau']:.3f}",
+                       "yes" if e["lossless_failures"] == 0 else f"NO ({e['lossless_failures']})"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = [" | ".join(str(x).ljust(wd) for x, wd in zip(r, widths)) for r in [head, *rows]]
+    lines.insert(1, "-+-".join("-" * wd for wd in widths))
+    tok = w.progress().get("tokens") or {}
+    e0 = next(iter(evals.values()), {})
+    lines.append(f"\ndata: {tok.get('samples', '-')} turn samples in {tok.get('shards', '-')} shards; eval: "
+                 f"{e0.get('prompts', '-')} MT-Bench first turns, {e0.get('max_new_tokens', '-')} new tokens, "
+                 f"{e0.get('device', '-')}")
     text = "\n".join(lines)
     print(text)
     Path(a.out).mkdir(parents=True, exist_ok=True)

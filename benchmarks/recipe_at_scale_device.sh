@@ -25,10 +25,12 @@ T0=$(date +%s)
 mkdir -p "$W/logs" "$BACK"
 exec > >(tee -a "$W/logs/call-$T0.log") 2>&1
 SITE=${SITE:-/tmp/site}
-if [ ! -f "$SITE/.installed" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    "$KIT"/whl/*.whl $(ls "$KIT"/whl-peers/*.whl 2>/dev/null) && touch "$SITE/.installed" || exit 4
-fi
+for whl in whl whl-peers; do  # the peers' wheels only when a call carries them
+  if [ -d "$KIT/$whl" ] && [ ! -f "$SITE/.installed-$whl" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$KIT/$whl"/*.whl && touch "$SITE/.installed-$whl" || exit 4
+  fi
+done
 export PYTHONPATH=$SITE:$REPO/scripts:$REPO/benchmarks PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 df -h "$W" | tail -1
