@@ -20,7 +20,7 @@ matters into $OUT, the next call carries it in and `gather` puts it back:
     evaluate  every exported drafter not yet evaluated: MT-Bench first turns, greedy and T=0.7, per category
     peer-data / specforge / speculators / peer-clean   one peer at a time on the largest subset that fits the disk
     pack      the bundle: regen files, progress, results, per unfinished run its checkpoint (full, or bf16 weights
-              without optimizer moments when it does not fit), split into parts <= 15 MiB + bundle.set.json
+              without optimizer moments when it does not fit), split into parts <= 8 MiB + bundle.set.json
     table     the variant and side-by-side table from results/*.json
 
     PYTHONPATH=scripts:benchmarks python3 benchmarks/recipe_at_scale.py kit
@@ -64,14 +64,14 @@ SCALE = {
     "subset_fraction": 0.25,   # `@sub` runs (the variants) train on this share of the token shards
     "holdout_fraction": 0.02,
     "eval_max_new_tokens": 256, "eval_prompts": 80,
-    "bundle_part_mib": 15,     # a file back from $OUT may be 16 MiB
+    "bundle_part_mib": 8,      # <= 6 parts of 48 MiB + set manifest + logs.tgz: the 8 files back (16 MiB each at most)
     "bundle_mib": 48,          # carried out again beside the tree and the kit (11.6 MiB of the 64; `carry`)
 }
 TINY = {"records": 0, "max_turns": 3, "prompt_max_chars": 400, "shard_size": 8, "max_new_tokens": 8,
         "temperature": 0.7, "context": 256, "gen_batch": 16, "num_layers": 1, "num_anchors": 8, "batch_size": 4,
         "epochs": 2.0, "lr": 1e-3, "gamma": 7.0, "checkpoint_every": 2, "acceptance_every": 0,
         "subset_fraction": 0.5, "holdout_fraction": 0.0, "eval_max_new_tokens": 8, "eval_prompts": 2,
-        "bundle_part_mib": 15, "bundle_mib": 52}
+        "bundle_part_mib": 8, "bundle_mib": 48}
 
 # recipe variants (train: overrides); a run is VARIANT or VARIANT@sub (the first subset_fraction of the shards)
 VARIANTS = {
@@ -311,8 +311,13 @@ def bundle_members(w: Work, budget: int, optimizer: str) -> tuple[list[tuple[str
     for p in sorted(w.results.glob("*.json")) if w.results.exists() else []:
         add(f"results/{p.name}", p.read_bytes(), required=True)
     prog = w.progress()
-    for run, st in sorted((prog.get("runs") or {}).items()):
-        ckpts = sorted((w.train / run / "ckpt").glob("step-*.pt"))
+    newest = {run: sorted((w.train / run / "ckpt").glob("step-*.pt")) for run in prog.get("runs") or {}}
+
+    def steps_done(run: str) -> int:
+        return int(newest[run][-1].stem.split("-")[1]) if newest[run] else 0
+
+    for run, st in sorted((prog.get("runs") or {}).items(), key=lambda kv: -steps_done(kv[0])):  # most work first
+        ckpts = newest[run]
         if st.get("trained") or not ckpts:
             continue
         metrics = w.train / run / "ckpt" / "metrics.jsonl"
@@ -362,6 +367,8 @@ def stage_gather(a) -> None:
     than this machine's state is unpacked."""
     w = Work(a.work)
     w.incoming.mkdir(parents=True, exist_ok=True)
+    if (Path(a.kit) / "data").exists():
+        shutil.copytree(Path(a.kit) / "data", w.root / "data", dirs_exist_ok=True)
     for src in [Path(p) for p in (a.inputs or [])]:
         for f in sorted(src.rglob("*")) if src.is_dir() else [src]:
             if f.is_file() and (".part" in f.name or f.name.endswith(".set.json")):
@@ -391,6 +398,12 @@ def unpack_bundle(w: Work, blob: Path, man: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ target, prep
+def kit_data(a, name: str) -> Path:
+    """A kit data file: as carried, else the copy `gather` put aside (later calls of a warm machine carry less)."""
+    carried = Path(a.kit) / "data" / name
+    return carried if carried.exists() else Work(a.work).root / "data" / name
+
+
 def stage_target(a) -> None:
     w = Work(a.work)
     if (w.target / "config.json").exists():
@@ -410,13 +423,14 @@ def target_dir(w: Work) -> Path:
 
 def stage_prep(a) -> None:
     """ingest -> manifest -> shards, from the kit's turns file (the same bytes on every machine)."""
-    w, kit = Work(a.work), Path(a.kit)
+    w = Work(a.work)
     if (w.shards / "_done.json").exists():
         return
     w.ingest.mkdir(parents=True, exist_ok=True)
-    cli("ingest", "--input", kit / "data" / "sharegpt_turns.jsonl.gz", "--name", "sharegpt",
+    cli("ingest", "--input", kit_data(a, "sharegpt_turns.jsonl.gz"), "--name", "sharegpt",
         "--out", w.ingest / "sharegpt.parquet", "--stats", w.ingest / "sharegpt.stats.json",
-        "--quarantine", w.ingest / "sharegpt.quarantine.jsonl", "--exclude-prompts", kit / "data" / "mt_bench_question.jsonl")
+        "--quarantine", w.ingest / "sharegpt.quarantine.jsonl", "--exclude-prompts",
+        kit_data(a, "mt_bench_question.jsonl"))
     cli("manifest", "--records", w.ingest / "sharegpt.parquet", "--stats", w.ingest / "sharegpt.stats.json",
         "--shard-size", SCALE["shard_size"], "--out", w.ingest / "manifest.json")
     man = read_json(w.ingest / "manifest.json")
@@ -690,7 +704,7 @@ def stage_evaluate(a) -> None:
     dtype = next(target.parameters()).dtype
     head = load_target_head(str(target_dir(w)), dtype=dtype).to(device)
     stop = _stop_ids(str(target_dir(w)), target)
-    prompts = file_prompts(str(Path(a.kit) / "data" / "mt_bench_question.jsonl"), str(target_dir(w)))
+    prompts = file_prompts(str(kit_data(a, "mt_bench_question.jsonl")), str(target_dir(w)))
     prompts = prompts[: SCALE["eval_prompts"]]
     max_new, kw = SCALE["eval_max_new_tokens"], {"batch_size": len(prompts), "graphs": device.type == "cuda"}
     plain, _ = plain_greedy(target, prompts, max_new, stop, **kw)
@@ -900,42 +914,38 @@ def tree_bytes(repo: Path) -> int:
     return sum((repo / n.decode()).stat().st_size for n in names if n and (repo / n.decode()).is_file())
 
 
-def plan_calls(files: list[Path], capacity: int) -> list[list[Path]]:
-    """Files into as few calls as fit `capacity` each, in order (a set's parts stay in order: GGUF, then bundle)."""
-    calls, used = [[]], 0
-    for f in files:
-        size = f.stat().st_size
-        if size > capacity:
-            raise SystemExit(f"{f.name}: {size / 2**20:.1f} MiB does not fit one call ({capacity / 2**20:.1f} MiB left)")
-        if used + size > capacity:
-            calls.append([])
-            used = 0
-        calls[-1].append(f)
-        used += size
-    return [c for c in calls if c]
-
-
 def stage_carry(a) -> None:
     """The next calls' payload folders .device/scale/in-1, in-2, ... (here): with --cold the GGUF parts, then the
-    bundle that came back (--in: files_at of the last call), each folder within what the tree and the kit leave."""
+    bundle that came back (--in: files_at of the last call). Call 1 also carries the kit's data and wheels (a cold
+    machine needs them; gather keeps them aside), later calls of the same warm machine only their folder."""
     kit, dest = Path(a.kit), Path(a.kit).parent
-    fixed = tree_bytes(REPO) + sum(f.stat().st_size for d in ("data", "whl") + (("whl-peers",) if a.peers else ())
-                                   for f in (kit / d).rglob("*") if f.is_file())
+    kit_dirs = ["data", "whl"] + (["whl-peers"] if a.peers else [])
+    tree = tree_bytes(REPO) + 2**20  # 1 MiB of slack for files written in the meantime
+    kit_bytes = sum(f.stat().st_size for d in kit_dirs for f in (kit / d).rglob("*") if f.is_file())
     files = sorted((kit / "gguf").glob("*")) if a.cold else []
     for src in [Path(p) for p in a.inputs]:
         files += sorted(f for f in src.glob("bundle.tar.zst*") if f.is_file())
     for old in dest.glob("in-*"):
         shutil.rmtree(old)
-    calls = plan_calls(files, CARRY_LIMIT - fixed - 2**20)  # 1 MiB of slack for files written in the meantime
+    calls, used = [[]], kit_bytes
+    for f in files:
+        size = f.stat().st_size
+        if tree + used + size > CARRY_LIMIT:
+            if not calls[-1]:
+                raise SystemExit(f"{f.name}: {size / 2**20:.1f} MiB does not fit one call")
+            calls.append([])
+            used = 0
+        calls[-1].append(f)
+        used += size
     for k, group in enumerate(calls, 1):
         (dest / f"in-{k}").mkdir()
         for f in group:
             shutil.copyfile(f, dest / f"in-{k}" / f.name)
-    carry = [".device/scale/kit/data", ".device/scale/kit/whl"] + ([".device/scale/kit/whl-peers"] if a.peers else [])
-    log(f"fixed per call {fixed / 2**20:.1f} MiB (tree + kit); {len(calls)} call(s) to bring the payload in:")
-    for k, group in enumerate(calls, 1):
-        log(f"  call {k}: carry {json.dumps(carry + [f'.device/scale/in-{k}'])}  "
-            f"({sum(f.stat().st_size for f in group) / 2**20:.1f} MiB: {', '.join(f.name for f in group)})")
+        carry = [f".device/scale/kit/{d}" for d in kit_dirs] * (k == 1) + [f".device/scale/in-{k}"]
+        log(f"call {k}: carry {json.dumps(carry)} ({(tree + sum(f.stat().st_size for f in group) + kit_bytes * (k == 1)) / 2**20:.1f} "
+            f"of 64 MiB; {', '.join(f.name for f in group) or 'no payload'})")
+    if len(calls) > 1:
+        log("calls after the first must find the machine warm (issue each within 30 s of the last)")
 
 
 # ------------------------------------------------------------------------------------------------ estimate (here)

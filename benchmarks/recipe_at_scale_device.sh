@@ -2,14 +2,15 @@
 # One device call of benchmarks/recipe_at_scale.py (issue 25), run from the root of the checkout that travels:
 #
 #   bash benchmarks/recipe_at_scale_device.sh "STAGES" [recipe_at_scale.py options]
-#   e.g. "generate tokens"  |  "train --runs paper"  |  "train evaluate --runs no-weighting@sub,layers-3@sub"
+#   e.g.  "generate"  |  "train evaluate" --runs paper  |  "train evaluate" --runs no-weighting@sub,layers-3@sub
 #
-# carry: .device/scale/kit/data, .device/scale/kit/whl (+ .device/scale/kit/whl-peers for the peers' stages) and
-# this call's payload .device/scale/in-K (GGUF parts and/or the last bundle's parts: `recipe_at_scale.py carry`
-# writes the folders and prints each call's carry list). Every call: install the wheels, gather the payload
-# (parts aside into $W/in, complete sets joined, a newer bundle unpacked), import the target once the GGUF is
-# whole, prep, then STAGES bounded by the call's budget (SIGINT, then KILL), then always pack: the bundle parts,
-# its set manifest, logs.tgz and table.txt come back in $OUT (<= 7 files). A warm machine keeps $W between calls
+# What to carry: `recipe_at_scale.py carry [--cold] [--in FILES_AT_OF_THE_LAST_CALL]` (here) writes the payload
+# folders .device/scale/in-K (GGUF parts, the last bundle's parts) and prints each call's carry list: call 1 also
+# carries .device/scale/kit/data and .device/scale/kit/whl (+ kit/whl-peers for the peers' stages). Every call:
+# install the wheels once, gather the payload (parts aside into $W/in, complete sets joined, a bundle newer than
+# this machine's state unpacked, the kit's data put aside), prep, import the target once the GGUF is whole, then
+# STAGES bounded by the call's budget (SIGINT, then KILL), then always pack: the bundle parts, its set manifest
+# and logs.tgz (logs, results, table.txt) come back in $OUT (<= 8 files). A warm machine keeps $W between calls
 # (issue the next call within 30 s); a cold one gets everything back from what the next calls carry.
 set -uo pipefail
 STAGES=${1:?stages, e.g. "generate tokens"}
@@ -31,6 +32,9 @@ for whl in whl whl-peers; do  # the peers' wheels only when a call carries them
       "$KIT/$whl"/*.whl && touch "$SITE/.installed-$whl" || exit 4
   fi
 done
+if [ ! -f "$SITE/.installed-whl" ]; then
+  echo "a cold machine without the kit's wheels: start again from call 1 (recipe_at_scale.py carry --cold)"; exit 3
+fi
 export PYTHONPATH=$SITE:$REPO/scripts:$REPO/benchmarks PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 df -h "$W" | tail -1
@@ -38,10 +42,10 @@ df -h "$W" | tail -1
 ras() { python3 "$REPO/benchmarks/recipe_at_scale.py" "$@" --work "$W" --kit "$KIT" $COMMON; }
 ras gather --out "$W/out" --in "$(dirname "$KIT")"/in-* || exit 5  # the payload folders `carry` wrote
 rc=0
-if [ -f "$W/target/config.json" ] || ras target --out "$W/out"; then
-  ras prep --out "$W/out" || rc=6
+ras prep --out "$W/out" || rc=6  # needs the kit's data only (carried, or put aside by gather)
+if [ "$rc" = 0 ] && { [ -f "$W/target/config.json" ] || ras target --out "$W/out"; }; then
   left=$(( BUDGET - RESERVE - ($(date +%s) - T0) ))
-  if [ "$rc" = 0 ] && [ "$left" -gt 30 ]; then
+  if [ "$left" -gt 30 ]; then
     timeout -s INT -k 40 "$left" python3 "$REPO/benchmarks/recipe_at_scale.py" $STAGES "$@" --work "$W" --kit "$KIT" \
       --out "$W/out" $COMMON
     rc=$?
@@ -49,7 +53,8 @@ if [ -f "$W/target/config.json" ] || ras target --out "$W/out"; then
 else
   echo "target: the GGUF is not whole yet (its other part comes with the next call)"
 fi
-ras pack table --out "$BACK" || rc=7
+ras pack --out "$BACK" || rc=7
+ras table --out "$W/logs" || true
 tar czf "$BACK/logs.tgz" -C "$W" logs progress.json $(cd "$W" && ls -d results 2>/dev/null)
 du -sh "$W"/* 2>/dev/null | sort -h | tail -5
 echo "call: stages '$STAGES' exit $rc after $(( $(date +%s) - T0 )) s"
