@@ -776,22 +776,29 @@ def stage_peer_plan(a) -> None:
         f"{plan['tokens'] * max(per.values()) / 1e9:.1f} GB for the larger peer) of {free / 1e9:.1f} GB free")
 
 
+def ours_for_peers(plan: dict | None) -> str:
+    """Our run the peers are compared with: `paper@sub` when the peer subset is the `@sub` one (no second run of
+    the same thing), else `paper@peer`."""
+    return "paper@sub" if plan and plan.get("equal_to_sub") else "paper@peer"
+
+
 def peer_layout(w: Work) -> Path:
     """A work directory in real_target_side_by_side.py's layout, so its SpecForge and speculators stages run
-    unchanged: the target, our `paper@peer` drafter's config (the shape every side trains), this run's train
+    unchanged: the target, our compared drafter (ours_for_peers)'s config (the shape every side trains), this run's train
     settings (overrides.yaml) and the peer subset's token shards."""
     import yaml
 
     plan = read_json(w.results / "peer-plan.json")
-    ours = w.train / "paper@peer" / "drafter"
+    run = ours_for_peers(plan)
+    ours = w.train / run / "drafter"
     if plan is None or not (ours / "drafter_config.json").exists():
-        raise SystemExit("peers: run peer-plan and train --runs paper@peer first (the shape and recipe they copy)")
+        raise SystemExit(f"peers: run peer-plan and train --runs {run} first (the shape and recipe they copy)")
     p = w.peers
     res = p / "wf" / "results"
     for d in (res / "train" / "drafter", res / "drafter", res / "tokens" / "regenerated"):
         d.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(ours / "drafter_config.json", res / "train" / "drafter" / "drafter_config.json")
-    shutil.copyfile(w.drafters / "paper@peer" / "config.json", res / "drafter" / "config.json")
+    shutil.copyfile(w.drafters / run / "config.json", res / "drafter" / "config.json")
     for name in plan["shards"]:
         link = res / "tokens" / "regenerated" / name
         if not link.exists():
@@ -808,7 +815,7 @@ def peer_layout(w: Work) -> Path:
 
 
 def stage_peer_data(a) -> None:
-    """One peer's offline files (--peer), from the same samples our `paper@peer` run trained on: SpecForge
+    """One peer's offline files (--peer), from the same samples our run trained on (ours_for_peers): SpecForge
     sample_*.ckpt {input_ids, loss_mask, hidden_states [T, n*H]} or speculators' datasets dir + hs_{i}.safetensors
     {hidden_states [T, n+1, H] (its layers, then the last layer's PRE-norm output), token_ids}. The other peer's
     files must be gone (peer-clean): both never fit the disk together. (real_target_side_by_side.py writes both

@@ -166,7 +166,7 @@ def test_peer_subset_is_the_largest_prefix_that_fits():
 
 
 def test_one_peers_files_at_a_time_from_ours_samples(runs, tiny_target):
-    """SpecForge's files for the peer subset, from the samples our `paper@peer` run trained on; the other peer's
+    """SpecForge's files for the peer subset, from the samples our `paper@sub` run trained on; the other peer's
     data is refused while they are on disk, and peer-clean removes them."""
     import torch
 
@@ -177,13 +177,13 @@ def test_one_peers_files_at_a_time_from_ours_samples(runs, tiny_target):
         ras.main([*stages, "--tiny", "--device", "cpu", "--work", str(a.root), "--out", str(root / "a-out"),
                   "--kit", str(root / "kit"), "--target-dir", str(tiny_target), *extra])
 
-    call("peer-plan", "train", extra=("--runs", "paper@peer"))
+    call("peer-plan", "train", extra=("--runs", "paper@sub"))
     plan = json.loads((a.results / "peer-plan.json").read_text())
     assert plan["shards"] == [f"{s}.parquet" for s in ras.shard_names(a)[:2]] and plan["equal_to_sub"]
     call("peer-data", extra=("--peer", "specforge"))
     files = sorted((a.peers / "peer_sf").glob("sample_*.ckpt"))
     man = json.loads((a.results / "peer-data-specforge.json").read_text())
-    summary = json.loads((a.train / "paper@peer" / "drafter" / "summary.json").read_text())
+    summary = json.loads((a.train / "paper@sub" / "drafter" / "summary.json").read_text())
     assert len(files) == man["samples"] == summary["samples"]  # the samples ours trained on
     x = torch.load(files[0], weights_only=True)
     n_ids = len(man["recipe"]["target_layer_ids"])
