@@ -784,8 +784,8 @@ def ours_for_peers(plan: dict | None) -> str:
 
 def peer_layout(w: Work) -> Path:
     """A work directory in real_target_side_by_side.py's layout, so its SpecForge and speculators stages run
-    unchanged: the target, our compared drafter (ours_for_peers)'s config (the shape every side trains), this run's train
-    settings (overrides.yaml) and the peer subset's token shards."""
+    unchanged: the target, the config of our drafter they are compared with (the shape every side trains), this
+    run's train settings (overrides.yaml) and the peer subset's token shards."""
     import yaml
 
     plan = read_json(w.results / "peer-plan.json")
