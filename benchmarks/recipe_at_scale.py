@@ -640,8 +640,9 @@ def run_inputs(w: Work, subset: bool | str) -> list[Path]:
 
 
 def stage_train(a) -> None:
-    """Each run of --runs: online training (the target computes the features: offline states of ~40M tokens x
-    5.8 KB would not fit the 64 GB disk), resumed from its newest checkpoint; then export (bf16)."""
+    """Each run of --runs: online training (the target computes the features: offline states of 21.7M tokens x
+    5.8 KB, 125 GB an epoch, would not fit the 64 GB disk), resumed from its newest checkpoint; then export (bf16),
+    and with `evaluate` among the stages its evaluation at once."""
     w = Work(a.work)
     gpu = a.device == "cuda"
     stage_tokens(a)  # a cold machine rebuilds the token shards from the regen files first (same bytes)
@@ -667,6 +668,8 @@ def stage_train(a) -> None:
         cli("export", "--drafter", d / "drafter", "--model", target_dir(w), "--out", w.drafters / run,
             "--dtype", "bfloat16")
         w.update(runs={run: {"exported": True}})
+        if "evaluate" in a.stages:  # now, not after the other runs: a call that ends later has this tau already
+            stage_evaluate(a)
 
 
 def train_summary(drafter: Path) -> dict:
