@@ -57,7 +57,8 @@ SCALE = {
     "max_new_tokens": 256,     # per regenerated turn (the issue asks 256-384: the low end fits the GPU time)
     "temperature": 0.7,
     "context": 2048,           # generation context = training max_length: a later turn that cannot fit ends it
-    "gen_batch": 512,          # slot engine rows (KV cache 512 x 2048 x 30 layers: ~24 GB bf16)
+    "gen_batch": 512,          # slot engine rows (KV cache 512 x 2048 x 30 layers: ~24 GB bf16; --gen-batch 1024 on
+                               # an H200: the slot engine measured 28K tok/s at 1,024 rows, 17K at 256, w640)
     "num_layers": 5, "num_anchors": 512, "batch_size": 16, "epochs": 1.0, "lr": 6e-4, "gamma": 7.0,
     "checkpoint_every": 100,   # steps: what a call that ends mid-training loses at most
     "acceptance_every": 500,
@@ -458,8 +459,8 @@ def stage_generate(a) -> None:
                 "--out", *[w.completions / f"{s}.parquet" for s in todo], "--journal-dir", w.completions / "journal",
                 "--backend", "hf", "--model", target_dir(w), "--device", a.device,
                 "--dtype", "bfloat16" if gpu else "float32", "--threads", 0 if gpu else 1,
-                "--batch-size", SCALE["gen_batch"], "--context-length", SCALE["context"],
-                *(["--slot-width", SCALE["context"]] if gpu else []),
+                "--batch-size", a.gen_batch or SCALE["gen_batch"], "--context-length", SCALE["context"],
+                *(["--slot-width", a.slot_width] if gpu else []),
                 "--max-new-tokens", SCALE["max_new_tokens"], "--temperature", SCALE["temperature"], "--top-p", 1.0,
                 "--top-k", 0, "--seed", 0, "--no-enable-thinking", "--turns", "all", "--on-length", "keep",
                 "--progress-interval", 30)
@@ -1084,6 +1085,10 @@ def parse_args(argv=None):
                     help="kit: wheels real_target_side_by_side.py's kit downloaded (zstandard, gguf, the peers')")
     ap.add_argument("--target-dir", default="", help="target: a transformers directory instead of the GGUF")
     ap.add_argument("--max-shards", type=int, default=0, help="generate: at most this many shards this call (0: all)")
+    ap.add_argument("--gen-batch", type=int, default=0, help="generate: slot engine rows (0: the scale's, 512)")
+    ap.add_argument("--slot-width", type=int, default=2048,
+                    help="generate: KV columns per slot (2048: every turn's context fits a slot; 0: the engine's "
+                         "1,024 + its wide pool for longer prompts). 512 x 2048 x 30 layers: ~24 GB bf16")
     ap.add_argument("--runs", default="paper", help="train: VARIANT[@sub|@peer],... (" + ", ".join(VARIANTS) + ")")
     ap.add_argument("--peer", choices=["specforge", "speculators"], default="speculators",
                     help="peer-data / peer-train / peer-clean: which peer")
