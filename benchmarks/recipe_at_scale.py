@@ -451,8 +451,24 @@ def stage_generate(a) -> None:
     w = Work(a.work)
     todo = [s for s in shard_names(w) if not (w.regen / f"{s}.npz.zst").exists()][: a.max_shards or None]
     if todo:
+        import threading
+
         gpu = a.device == "cuda"
         w.completions.mkdir(parents=True, exist_ok=True)
+        lock, stop = threading.Lock(), threading.Event()
+
+        def convert_finished() -> None:  # the engine writes a shard's completions when its last sample is done
+            with lock:
+                for s in todo:
+                    if (w.completions / f"{s}.parquet").exists() and not (w.regen / f"{s}.npz.zst").exists():
+                        write_regen(w, s)
+
+        def watch() -> None:  # as they finish, so that a call's SIGINT leaves little to convert
+            while not stop.wait(20):
+                convert_finished()
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         t = time.perf_counter()
         try:
             cli("generate", "--input", *[w.shards / f"{s}.parquet" for s in todo],
@@ -465,9 +481,8 @@ def stage_generate(a) -> None:
                 "--top-k", 0, "--seed", 0, "--no-enable-thinking", "--turns", "all", "--on-length", "keep",
                 "--progress-interval", 30)
         finally:  # a call that ends mid-way still keeps the shards it finished
-            for s in todo:
-                if (w.completions / f"{s}.parquet").exists() and not (w.regen / f"{s}.npz.zst").exists():
-                    write_regen(w, s)
+            stop.set()
+            convert_finished()
             w.update(generation={"shards_done": len(list(w.regen.glob("*.npz.zst"))),
                                  "shards_total": len(shard_names(w))})
             log(f"generate: {len(todo)} shards asked in {time.perf_counter() - t:.0f} s")
