@@ -436,7 +436,8 @@ def stage_prep(a) -> None:
         "--shard-size", SCALE["shard_size"], "--out", w.ingest / "manifest.json")
     man = read_json(w.ingest / "manifest.json")
     w.shards.mkdir(parents=True, exist_ok=True)
-    cli("shard", "--records", w.ingest / "sharegpt.parquet", "--specs", json.dumps(man["shards"]), "--out-dir", w.shards)
+    cli("shard", "--records", w.ingest / "sharegpt.parquet", "--specs", json.dumps(man["shards"]),
+        "--out-dir", w.shards)
     write_json(w.shards / "_done.json", {"shards": [s["shard"] for s in man["shards"]], "totals": man["totals"]})
 
 
@@ -496,7 +497,8 @@ class Renderer:
         from dflash_pipeline import target
 
         self.tok = target.load_tokenizer(str(model_dir))
-        self.eos = {i for i in [self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")] if isinstance(i, int)}
+        self.eos = {i for i in [self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")]
+                    if isinstance(i, int)}
 
     def answer(self, ids: list[int]) -> str:
         from dflash_pipeline.generation.client import split_reasoning
@@ -676,7 +678,8 @@ def stage_train(a) -> None:
                 "--num-anchors", s["num_anchors"], "--gamma", s["gamma"], "--loss-weighting", s["loss_weighting"],
                 "--labels", s["labels"], "--max-length", SCALE["context"], "--batch-size", s["batch_size"],
                 "--epochs", s["epochs"], "--lr", s["lr"], "--warmup-ratio", 0.04, "--seed", 0,
-                "--checkpoint-every", SCALE["checkpoint_every"], "--keep-checkpoints", 1, "--log-every", 10 if gpu else 1,
+                "--checkpoint-every", SCALE["checkpoint_every"], "--keep-checkpoints", 1,
+                "--log-every", 10 if gpu else 1,
                 "--holdout-fraction", SCALE["holdout_fraction"], "--acceptance-every", SCALE["acceptance_every"],
                 "--device", a.device, *(["--compile"] if gpu else ["--cpu-threads", 1]))
             w.update(runs={run: {"trained": True, "train_wall_s": time.perf_counter() - t}})
@@ -732,7 +735,7 @@ def stage_evaluate(a) -> None:
     for name in todo:
         if name == "untrained":
             torch.manual_seed(0)
-            ref = next(n for n in names if n.startswith("paper")) if any(n.startswith("paper") for n in names) else names[0]
+            ref = next((n for n in names if n.startswith("paper")), names[0])  # the paper's shape
             drafter = DFlashDrafter(load_exported(str(w.drafters / ref), device=device, dtype=dtype).config)
             drafter = drafter.to(device, dtype).eval()
         else:
@@ -857,7 +860,8 @@ def stage_peer_data(a) -> None:
     samples = sbs.training_samples(p, r)
     model = load_model(str(p / "target"), a.device, "auto")
     last = {}
-    model.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    model.model.layers[-1].register_forward_hook(
+        lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
     (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
     order = sorted(range(len(samples)), key=lambda i: len(samples[i][1]))
     t0, tokens, k = time.perf_counter(), 0, 0
@@ -881,7 +885,8 @@ def stage_peer_data(a) -> None:
                                dest / f"sample_{i:08d}.ckpt")
                 else:
                     spec = torch.cat([feats, last["h"][row, :n, None].to(torch.bfloat16).cpu()], dim=1).contiguous()
-                    save_file({"hidden_states": spec, "token_ids": ids}, str(dest / "hidden_states" / f"hs_{i}.safetensors"))
+                    save_file({"hidden_states": spec, "token_ids": ids},
+                              str(dest / "hidden_states" / f"hs_{i}.safetensors"))
                 tokens += n
     if a.peer == "speculators":
         from datasets import Dataset
@@ -894,7 +899,8 @@ def stage_peer_data(a) -> None:
            "bytes": sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()), "recipe": r}
     write_json(dest / "manifest.json", man)
     write_json(w.results / f"peer-data-{a.peer}.json", man)
-    log(f"peer data {a.peer}: {len(samples)} samples, {tokens:,} tokens, {man['bytes'] / 1e9:.1f} GB in {man['seconds']:.0f} s")
+    log(f"peer data {a.peer}: {len(samples)} samples, {tokens:,} tokens, {man['bytes'] / 1e9:.1f} GB "
+        f"in {man['seconds']:.0f} s")
 
 
 def stage_peer_train(a) -> None:
@@ -968,8 +974,9 @@ def stage_carry(a) -> None:
         for f in group:
             shutil.copyfile(f, dest / f"in-{k}" / f.name)
         carry = [f".device/scale/kit/{d}" for d in kit_dirs] * (k == 1) + [f".device/scale/in-{k}"]
-        log(f"call {k}: carry {json.dumps(carry)} ({(tree + sum(f.stat().st_size for f in group) + kit_bytes * (k == 1)) / 2**20:.1f} "
-            f"of 64 MiB; {', '.join(f.name for f in group) or 'no payload'})")
+        size = tree + sum(f.stat().st_size for f in group) + kit_bytes * (k == 1)
+        log(f"call {k}: carry {json.dumps(carry)} ({size / 2**20:.1f} of 64 MiB; "
+            f"{', '.join(f.name for f in group) or 'no payload'})")
     if len(calls) > 1:
         log("calls after the first must find the machine warm (issue each within 30 s of the last)")
 
@@ -1040,9 +1047,11 @@ def stage_estimate(a) -> None:
     scale = len(turn_records(recs, SCALE["max_turns"], SCALE["prompt_max_chars"])) / max(1, len(convs))
     cfg = read_json(model_dir / "config.json")
     est = {"conversations_sampled": len(convs), "scale_to_all": scale, "turn_samples": round(samples * scale),
-           "conversations_cut_by_context": round(dropped * scale), "train_tokens_per_epoch": round(train_tokens * scale),
+           "conversations_cut_by_context": round(dropped * scale),
+           "train_tokens_per_epoch": round(train_tokens * scale),
            "supervised_tokens_per_epoch": round(sup * scale), "answer_tokens": round(answer_tokens * scale),
-           "regen_bytes": round(regen_bytes * scale), "regen_bytes_per_answer_token": regen_bytes / max(1, answer_tokens),
+           "regen_bytes": round(regen_bytes * scale),
+           "regen_bytes_per_answer_token": regen_bytes / max(1, answer_tokens),
            "checkpoints": {n: checkpoint_sizes(cfg, n) for n in (3, 5)},
            "offline_hidden_bytes_per_epoch": round(train_tokens * scale * 2 * 5 * int(cfg["hidden_size"])),
            "scale": {k: SCALE[k] for k in ("max_turns", "prompt_max_chars", "max_new_tokens", "context", "shard_size")}}

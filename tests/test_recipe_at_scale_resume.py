@@ -188,7 +188,8 @@ def test_one_peers_files_at_a_time_from_ours_samples(runs, tiny_target):
     x = torch.load(files[0], weights_only=True)
     n_ids = len(man["recipe"]["target_layer_ids"])
     hidden = json.loads((tiny_target / "config.json").read_text())["hidden_size"]
-    assert x["hidden_states"].shape == (len(x["input_ids"]), n_ids * hidden) and x["hidden_states"].dtype == torch.bfloat16
+    assert x["hidden_states"].shape == (len(x["input_ids"]), n_ids * hidden)
+    assert x["hidden_states"].dtype == torch.bfloat16
     with pytest.raises(SystemExit, match="peer-clean"):
         call("peer-data", extra=("--peer", "speculators"))
     call("peer-clean", extra=("--peer", "specforge"))
