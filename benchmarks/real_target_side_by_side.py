@@ -380,6 +380,36 @@ def training_samples(w: Path, r: dict) -> list[tuple]:
     return out
 
 
+def peer_features(model_dir: Path, device: str, samples: list[tuple], layer_ids: list[int], budget: int = 32768):
+    """The target's features for every training sample, as the peers' offline formats want them: yields (i, ids,
+    loss_mask, feats [T, n, H], last [T, 1, H]) in bf16 on the CPU, `last` the last layer's PRE-norm output. Samples
+    run shortest first in batches of at most `budget` padded tokens (right padding: causal, real tokens never see it)."""
+    import torch
+
+    from dflash_pipeline.target import load_model
+
+    model = load_model(str(model_dir), device, "auto")
+    last = {}
+    model.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i][1]))
+    k = 0
+    with torch.inference_mode():
+        while k < len(order):
+            batch = [order[k]]
+            while k + len(batch) < len(order) and (len(batch) + 1) * len(samples[order[k + len(batch)]][1]) <= budget:
+                batch.append(order[k + len(batch)])
+            k += len(batch)
+            x = torch.zeros((len(batch), len(samples[batch[-1]][1])), dtype=torch.long)
+            for row, i in enumerate(batch):
+                x[row, : len(samples[i][1])] = torch.tensor(samples[i][1])
+            hs = model.model(input_ids=x.to(device), output_hidden_states=True, use_cache=False).hidden_states
+            aux = torch.stack([hs[j + 1] for j in layer_ids], dim=2)  # [B, S, n, H]
+            for row, i in enumerate(batch):
+                n = len(samples[i][1])
+                yield (i, torch.tensor(samples[i][1]), torch.tensor(samples[i][2]),
+                       aux[row, :n].to(torch.bfloat16).cpu(), last["h"][row, :n, None].to(torch.bfloat16).cpu())
+
+
 def stage_peer_data(a) -> None:
     """Hidden states of the target for every training sample, in each peer's offline format: SpecForge
     sample_*.ckpt {input_ids, loss_mask, hidden_states [T, n*H]}; speculators a datasets dir + hs_{i}.safetensors
@@ -387,41 +417,21 @@ def stage_peer_data(a) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from dflash_pipeline.target import load_model
-
     w, out = Path(a.work), Path(a.out)
     if done(w / "peer_spec" / "manifest.json"):
         return
     r = recipe(w)
     samples = training_samples(w, r)
-    model = load_model(str(target_dir(w)), a.device, "auto")
-    last = {}
-    model.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
     (w / "peer_spec" / "hidden_states").mkdir(parents=True, exist_ok=True)
     (w / "peer_sf").mkdir(parents=True, exist_ok=True)
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i][1]))
-    t0, tokens, k = time.perf_counter(), 0, 0
-    with torch.inference_mode():
-        while k < len(order):
-            batch = [order[k]]
-            while k + len(batch) < len(order) and (len(batch) + 1) * len(samples[order[k + len(batch)]][1]) <= 32768:
-                batch.append(order[k + len(batch)])
-            k += len(batch)
-            width = len(samples[batch[-1]][1])
-            x = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, i in enumerate(batch):  # right padding: causal, the real tokens never see it
-                x[row, : len(samples[i][1])] = torch.tensor(samples[i][1])
-            hs = model.model(input_ids=x.to(a.device), output_hidden_states=True, use_cache=False).hidden_states
-            aux = torch.stack([hs[j + 1] for j in r["target_layer_ids"]], dim=2)  # [B, S, n, H]
-            for row, i in enumerate(batch):
-                n = len(samples[i][1])
-                ids, lm = torch.tensor(samples[i][1]), torch.tensor(samples[i][2])
-                feats = aux[row, :n].to(torch.bfloat16).cpu()
-                torch.save({"input_ids": ids, "loss_mask": lm, "hidden_states": feats.reshape(n, -1).contiguous()},
-                           w / "peer_sf" / f"sample_{i:08d}.ckpt")
-                spec = torch.cat([feats, last["h"][row, :n, None].to(torch.bfloat16).cpu()], dim=1).contiguous()
-                save_file({"hidden_states": spec, "token_ids": ids}, str(w / "peer_spec" / "hidden_states" / f"hs_{i}.safetensors"))
-                tokens += n
+    t0, tokens = time.perf_counter(), 0
+    for i, ids, lm, feats, last in peer_features(target_dir(w), a.device, samples, r["target_layer_ids"]):
+        n = len(ids)
+        torch.save({"input_ids": ids, "loss_mask": lm, "hidden_states": feats.reshape(n, -1).contiguous()},
+                   w / "peer_sf" / f"sample_{i:08d}.ckpt")
+        spec = torch.cat([feats, last], dim=1).contiguous()
+        save_file({"hidden_states": spec, "token_ids": ids}, str(w / "peer_spec" / "hidden_states" / f"hs_{i}.safetensors"))
+        tokens += n
     from datasets import Dataset
 
     ds = Dataset.from_dict({"input_ids": [s[1] for s in samples], "loss_mask": [s[2] for s in samples],

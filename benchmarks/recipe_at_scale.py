@@ -840,13 +840,12 @@ def stage_peer_data(a) -> None:
     """One peer's offline files (--peer), from the same samples our run trained on (ours_for_peers): SpecForge
     sample_*.ckpt {input_ids, loss_mask, hidden_states [T, n*H]} or speculators' datasets dir + hs_{i}.safetensors
     {hidden_states [T, n+1, H] (its layers, then the last layer's PRE-norm output), token_ids}. The other peer's
-    files must be gone (peer-clean): both never fit the disk together. (real_target_side_by_side.py writes both
-    in one pass; this is that loop for one format.)"""
+    files must be gone (peer-clean): both never fit the disk together. The features come from
+    real_target_side_by_side.peer_features, which that benchmark uses to write both formats in one pass."""
     import torch
     from safetensors.torch import save_file
 
     import real_target_side_by_side as sbs
-    from dflash_pipeline.target import load_model
 
     w = Work(a.work)
     p = peer_layout(w)
@@ -858,36 +857,17 @@ def stage_peer_data(a) -> None:
         raise SystemExit(f"peer-data {a.peer}: {other} is still on disk (peer-clean the other peer first)")
     r = sbs.recipe(p)
     samples = sbs.training_samples(p, r)
-    model = load_model(str(p / "target"), a.device, "auto")
-    last = {}
-    model.model.layers[-1].register_forward_hook(
-        lambda m, i, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
     (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i][1]))
-    t0, tokens, k = time.perf_counter(), 0, 0
-    with torch.inference_mode():
-        while k < len(order):
-            batch = [order[k]]
-            while k + len(batch) < len(order) and (len(batch) + 1) * len(samples[order[k + len(batch)]][1]) <= 32768:
-                batch.append(order[k + len(batch)])
-            k += len(batch)
-            x = torch.zeros((len(batch), len(samples[batch[-1]][1])), dtype=torch.long)
-            for row, i in enumerate(batch):  # right padding: causal, the real tokens never see it
-                x[row, : len(samples[i][1])] = torch.tensor(samples[i][1])
-            hs = model.model(input_ids=x.to(a.device), output_hidden_states=True, use_cache=False).hidden_states
-            aux = torch.stack([hs[j + 1] for j in r["target_layer_ids"]], dim=2)  # [B, S, n, H]
-            for row, i in enumerate(batch):
-                n = len(samples[i][1])
-                ids, lm = torch.tensor(samples[i][1]), torch.tensor(samples[i][2])
-                feats = aux[row, :n].to(torch.bfloat16).cpu()
-                if a.peer == "specforge":  # its format is a pickle per sample (what its reader loads)
-                    torch.save({"input_ids": ids, "loss_mask": lm, "hidden_states": feats.reshape(n, -1).contiguous()},
-                               dest / f"sample_{i:08d}.ckpt")
-                else:
-                    spec = torch.cat([feats, last["h"][row, :n, None].to(torch.bfloat16).cpu()], dim=1).contiguous()
-                    save_file({"hidden_states": spec, "token_ids": ids},
-                              str(dest / "hidden_states" / f"hs_{i}.safetensors"))
-                tokens += n
+    t0, tokens = time.perf_counter(), 0
+    for i, ids, lm, feats, last in sbs.peer_features(p / "target", a.device, samples, r["target_layer_ids"]):
+        n = len(ids)
+        if a.peer == "specforge":  # its format is a pickle per sample (what its reader loads)
+            torch.save({"input_ids": ids, "loss_mask": lm, "hidden_states": feats.reshape(n, -1).contiguous()},
+                       dest / f"sample_{i:08d}.ckpt")
+        else:
+            save_file({"hidden_states": torch.cat([feats, last], dim=1).contiguous(), "token_ids": ids},
+                      str(dest / "hidden_states" / f"hs_{i}.safetensors"))
+        tokens += n
     if a.peer == "speculators":
         from datasets import Dataset
 
