@@ -91,7 +91,7 @@ def final_answer(message: dict) -> str:
     would count as one repeated empty answer, a placeholder."""
     calls = [f"{c['function']['name']}({json.dumps(c['function'].get('arguments'), sort_keys=True)})"
              for c in tool_calls_of(message)]
-    return " ".join([message["content"]] + calls if message["content"] else calls) if calls else message["content"] or ""
+    return " ".join(part for part in [message["content"] or "", *calls] if part)
 
 
 class ShardAudit:
