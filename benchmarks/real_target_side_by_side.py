@@ -243,7 +243,8 @@ def workflow_overrides(a) -> dict:
         "train": {"gpus": gpu, "epochs": SCALE["epochs"], "checkpoint_every": 100000, "log_every": 5 if gpu else 1},
         "evaluate": {"gpus": gpu, "max_new_tokens": SCALE["eval_max_new_tokens"],
                      "prompts_file": str(w / "data" / "mt_bench_question.jsonl"),  # also what ingest decontaminates
-                     "num_prompts": 80 if gpu else 2, "min_tau_gain": 0.0 if not gpu else 0.1},
+                     "num_prompts": 80 if gpu else 2, "min_tau_gain": 0.0 if not gpu else 0.1,
+                     "batch_size": 80},  # each prompt set in one batch (runtime only: never reruns the job)
         # the plan's extraction and training rates measured on this GPU (the dry run has too few tokens for it)
         "cost": {"calibrate_rates": bool(gpu)},
     }

@@ -195,7 +195,10 @@ def measure(spec: str, cfg, head, sources, dist_, args, peak) -> dict:
     prefetch.start(0)
     if dist_.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    warm, _ = run_steps(run, metrics, 0, args.warmup, prefetch)
+    # warm-up steps one at a time: a cold process's first steps show what compilation (and each recompile for a
+    # new shape) costs before the steady state, the start-up a short training job pays
+    warm_steps = [run_steps(run, metrics, i, 1, prefetch)[0] for i in range(args.warmup)]
+    warm = sum(warm_steps)
     metrics.record(dist_, 0, 0.0, 0.0, 0.0)  # resets the sums: the record below covers the timed steps only
     dt, wait = run_steps(run, metrics, args.warmup, args.steps, prefetch)
     rec = metrics.record(dist_, 1, 0.0, 0.0, torch.tensor(0.0))
@@ -206,6 +209,7 @@ def measure(spec: str, cfg, head, sources, dist_, args, peak) -> dict:
     row = {"variant": spec, "ms_step": dt / args.steps * 1e3, "data_wait_ms": wait / args.steps * 1e3,
            "positions_per_s": rec["positions_per_s"], "tokens_per_s": rec["tokens_per_s"], "tflops": rec["tflops"],
            "mfu_measured": rec["mfu"], "mfu_790": rec["tflops"] * 1e12 / DEVICE_NOTES_BF16, "warmup_s": warm,
+           "warmup_step_s": [round(x, 3) for x in warm_steps],
            "peak_gib": peak_gib, "loss": rec["loss"], **check, "profile": prof}
     print("row", json.dumps({k: x for k, x in row.items() if k != "profile"}), flush=True)
     return row
