@@ -275,13 +275,19 @@ def stage_workflow(a) -> None:
            "PYTHONPATH": f"{REPO / 'scripts'}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
     targets = [] if a.until == "all" else [str(w / "wf" / "results" / a.until)]
     t = time.perf_counter()
-    rc = sh([sys.executable, "-m", "snakemake", "--snakefile", REPO / "Snakefile", "--directory", w / "wf",
-             "--configfile", REPO / "config" / "smollm2-real.yaml", overrides, "--profile", REPO / "profiles" / "local",
-             "--cores", "16" if a.device == "cuda" else "2", "--resources", f"gpu={int(a.device == 'cuda')}",
-             "--scheduler", "greedy", *targets], out / f"workflow_{a.until.replace('/', '_')}.log",
-            env=env, check=False)
-    log(f"workflow until {a.until}: exit {rc} after {time.perf_counter() - t:.0f} s")
-    collect_workflow(w / "wf" / "results", out)
+    try:  # a run stopped by the call's budget still brings back its numbers and the jobs' logs
+        rc = sh([sys.executable, "-m", "snakemake", "--snakefile", REPO / "Snakefile", "--directory", w / "wf",
+                 "--configfile", REPO / "config" / "smollm2-real.yaml", overrides, "--profile", REPO / "profiles" / "local",
+                 "--cores", "16" if a.device == "cuda" else "2", "--resources", f"gpu={int(a.device == 'cuda')}",
+                 "--scheduler", "greedy", *targets], out / f"workflow_{a.until.replace('/', '_')}.log",
+                env=env, check=False)
+    finally:
+        log(f"workflow until {a.until}: after {time.perf_counter() - t:.0f} s")
+        try:
+            collect_workflow(w / "wf" / "results", out)
+        except Exception as exc:  # noqa: BLE001 - a partial run's files may be half written; the run's error wins
+            log(f"collect: {type(exc).__name__}: {exc}")
+    log(f"snakemake exit {rc}")
     if rc:
         raise SystemExit(f"snakemake failed (exit {rc}); see {out}/workflow_*.log")
     write_json(w / f"workflow_{a.until.replace('/', '_')}.done", {"seconds": time.perf_counter() - t})
@@ -332,6 +338,8 @@ def collect_workflow(results: Path, out: Path) -> None:
     for name in ("plan.txt", "plan.json", "calibration/generation.json", "calibration/rates.json"):
         if (results / name).exists():
             shutil.copyfile(results / name, out / name.replace("/", "_"))
+    if (results / "logs").is_dir():  # the jobs' own logs (start-up, compile, rates), small text
+        shutil.copytree(results / "logs", out / "job_logs", dirs_exist_ok=True)
 
 
 # ------------------------------------------------------------------------------------------------ the peers
