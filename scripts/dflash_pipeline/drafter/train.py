@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_pipeline import storage
+from dflash_pipeline.compile_profile import name_compiled_workload
 from dflash_pipeline.drafter.batch import collate, collate_packed
 from dflash_pipeline.drafter.checkpoints import CheckpointStore
 from dflash_pipeline.drafter.config import DrafterConfig
@@ -218,6 +219,11 @@ def _online_target(args, dev: torch.device):
     return target.requires_grad_(False)
 
 
+# what decides the shapes the compiled layers see (not the step count, the inputs or the output paths)
+SHAPE_ARGS = ("attention", "batch_size", "num_anchors", "max_length", "head_chunk", "loss_weighting", "labels",
+              "layout")
+
+
 def _wrap_for_training(args, drafter: DFlashDrafter, dist_: Dist) -> torch.nn.Module:
     gpu = dist_.device.type == "cuda"
     if gpu:  # one compiled kernel per padded shape (max_length / 256 buckets): allow that many recompiles
@@ -227,6 +233,9 @@ def _wrap_for_training(args, drafter: DFlashDrafter, dist_: Dist) -> torch.nn.Mo
             if hasattr(dynamo.config, name):
                 setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
     if args.compile and gpu:
+        # calibrate-rates' steps and this job share the name: the job compiles the dynamic graphs at once, cached
+        name_compiled_workload("train", {"drafter": dataclasses.asdict(drafter.config), "mode": args.mode,
+                                         **{k: getattr(args, k, None) for k in SHAPE_ARGS}})
         for layer in drafter.layers:
             layer.compile()
     if dist_.world == 1:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_pipeline import storage, target
+from dflash_pipeline.compile_profile import name_compiled_workload
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.hidden_states.batching import Batch, copy_to_host, to_host_layout, token_budget_batches
 from dflash_pipeline.hidden_states.capture import LayerCapture
@@ -145,6 +146,8 @@ def _prepare_capture(model, settings: ExtractSettings, device: str, tokens: int)
     log.info("extract: %d tokens to do, %s", tokens, "compiled layers" if compile_layers else "eager layers")
     if compile_layers:
         if not getattr(model, "_dflash_layers_compiled", False):  # once per model: a job extracts several shards
+            # every extraction job of this target (and calibrate-rates' warm-up) shares the compiled profile
+            name_compiled_workload("extract", {"config": model.config.to_dict(), "layers": capture.ids})
             capture.compile()
             model._dflash_layers_compiled = True
         return capture, max(settings.pad_multiple, 64)
