@@ -11,7 +11,7 @@ import tempfile
 from snakemake.resources import Resources
 from snakemake.utils import validate
 
-from dflash_pipeline import package_paths
+from dflash_pipeline import package_paths, settings
 from dflash_pipeline.cluster.launch_torchrun import train_resources
 from dflash_pipeline.generation.sglang_flags import version as sglang_flags_version
 from dflash_pipeline.planning import preflight
@@ -20,11 +20,12 @@ from dflash_pipeline.target import fingerprint as target_fingerprint
 from dflash_pipeline.target import is_gguf_path
 from dflash_pipeline.target_import.gguf import IMPORTED_FILES
 
-# a misspelled key is one line per mistake (Snakemake's own message prints the whole schema after it)
-_CONFIG_PROBLEMS = preflight.schema_errors(config, os.path.join(workflow.current_basedir, "schemas/config.schema.yaml"))
+# The schema ships with the package (one file states every default, for the workflow and a stage run by hand).
+# A misspelled key is one line per mistake (Snakemake's own message prints the whole schema after it).
+_CONFIG_PROBLEMS = preflight.schema_errors(config, settings.SCHEMA_PATH)
 if _CONFIG_PROBLEMS:
     raise WorkflowError("\n".join(_CONFIG_PROBLEMS))
-validate(config, "schemas/config.schema.yaml")  # fills in the schema's defaults
+validate(config, str(settings.SCHEMA_PATH))  # fills in the schema's defaults
 
 R = config["results"]
 # Every rule calls a stage of the project's command, `dflash-pipeline`. When snakemake runs from a venv that is
@@ -432,7 +433,7 @@ def generation_group_members(gengroup):
 
 # ------------------------------------------------------------------ generation calibration
 
-CALIBRATE = GEN.get("calibrate") or {}
+CALIBRATE = GEN["calibrate"]
 CALIBRATION = os.path.join(R, "calibration/generation.json")
 CALIBRATION_SAMPLE = os.path.join(R, "calibration/sample.parquet")
 GENERATION_GATE = os.path.join(R, "calibration/gate.ok")
@@ -468,7 +469,7 @@ def storage_copy(f):
 
 
 def calibration_sample_settings():
-    return {k: CALIBRATE.get(k, v) for k, v in (("samples", 256), ("warmup_requests", 8), ("seed", 0))}
+    return {k: CALIBRATE[k] for k in ("samples", "warmup_requests", "seed")}
 
 
 def calibration_shards():
@@ -557,7 +558,7 @@ def plan_rates():
 def rates_token_files(wildcards):
     """The first cost.calibrate_rates_shards source token shards (by name): enough tokens to measure, and a raw
     file added later (sorted after them) recalibrates nothing."""
-    shards = sorted(shard_ids())[: config["cost"].get("calibrate_rates_shards", 4)]
+    shards = sorted(shard_ids())[: config["cost"]["calibrate_rates_shards"]]
     return expand(os.path.join(R, "tokens/source/{shard}.parquet"), shard=shards)
 
 
@@ -614,9 +615,8 @@ def train_verdicts(wildcards):
 
 def train_settings():
     """train: (minus resources) + the drafter's shape + the evaluation holdout, as one JSON."""
-    drafter = {k: DRAFTER[k] for k in ("num_layers", "block_size", "mask_token_id") if DRAFTER.get(k) is not None}
-    if DRAFTER.get("target_layer_ids"):
-        drafter["target_layer_ids"] = ",".join(str(i) for i in DRAFTER["target_layer_ids"])
+    keys = ("num_layers", "block_size", "mask_token_id", "target_layer_ids")
+    drafter = {k: DRAFTER[k] for k in keys if DRAFTER.get(k) is not None}
     # checkpoints are not an output: on S3 storage (Kubernetes, no shared disk) mirror them, so a job that
     # restarts on another machine resumes instead of starting over
     mirror = TRAIN.get("checkpoint_mirror") or ""
@@ -661,8 +661,8 @@ def rates_settings():
             "extract": json.loads(extract_settings()),
             "shards_per_job": EXTRACT["shards_per_job"],
             "train": {k: train.get(k) for k in TRAIN_RATE_KEYS},
-            "tokens": cost.get("calibrate_rates_tokens", 131072),
-            "train_steps": cost.get("calibrate_rates_train_steps", 8),
+            "tokens": cost["calibrate_rates_tokens"],
+            "train_steps": cost["calibrate_rates_train_steps"],
         },
         sort_keys=True,
     )

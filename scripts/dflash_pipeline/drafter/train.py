@@ -59,58 +59,58 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target model directory (embedding, LM head, config; online: all)")
     p.add_argument("--out", required=True, help="output directory (written atomically at the end)")
     p.add_argument("--checkpoint-dir", required=True, help="resumable checkpoints and the live metrics log")
-    p.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers")
-    p.add_argument("--target-layer-ids", default=None, help="comma-separated; default: spread over the target")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-layers", type=int, help="drafter decoder layers")
+    p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: spread over the target")
+    p.add_argument("--block-size", type=int)
     p.add_argument("--mask-token-id", type=int, default=None)
-    p.add_argument("--num-anchors", type=int, default=512, help="blocks per sequence (at most)")
-    p.add_argument("--gamma", type=float, default=7.0, help="loss decay: w_k = exp(-(k-1)/gamma)")
-    p.add_argument("--loss-weighting", choices=list(WEIGHTINGS), default="decay",
+    p.add_argument("--num-anchors", type=int, help="blocks per sequence (at most)")
+    p.add_argument("--gamma", type=float, help="loss decay: w_k = exp(-(k-1)/gamma)")
+    p.add_argument("--loss-weighting", choices=list(WEIGHTINGS),
                    help="per block position: decay (exp(-(k-1)/gamma)), dpace (decay x D-PACE), none (see loss.py)")
-    p.add_argument("--dpace-alpha", type=float, default=0.5, help="D-PACE smoothing: s = (1 - alpha) q + alpha")
-    p.add_argument("--max-length", type=int, default=3072)
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch per rank")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--epochs", type=float, default=6)
-    p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: epochs)")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--warmup-ratio", type=float, default=0.04)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--adam-beta1", type=float, default=0.9)
-    p.add_argument("--adam-beta2", type=float, default=0.95)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=500)
-    p.add_argument("--keep-checkpoints", type=int, default=2)
-    p.add_argument("--checkpoint-mirror", default="",
+    p.add_argument("--dpace-alpha", type=float, help="D-PACE smoothing: s = (1 - alpha) q + alpha")
+    p.add_argument("--max-length", type=int)
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch per rank")
+    p.add_argument("--grad-accum", type=int)
+    p.add_argument("--epochs", type=float)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (0: epochs)")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup-ratio", type=float)
+    p.add_argument("--weight-decay", type=float)
+    p.add_argument("--adam-beta1", type=float)
+    p.add_argument("--adam-beta2", type=float)
+    p.add_argument("--grad-clip", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--keep-checkpoints", type=int)
+    p.add_argument("--checkpoint-mirror",
                    help="s3://bucket/prefix: upload checkpoints there and resume from there on a new machine")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--labels", choices=["data", "target"], default="data",
+    p.add_argument("--log-every", type=int)
+    p.add_argument("--labels", choices=["data", "target"],
                    help="data: the sequence's own next tokens (the recipe); target (online only): the target's "
                         "greedy prediction at each position, for data that is not the target's own output")
-    p.add_argument("--holdout-fraction", type=float, default=0.0, help="sample ids kept for evaluation")
-    p.add_argument("--acceptance-every", type=int, default=50,
+    p.add_argument("--holdout-fraction", type=float, help="sample ids kept for evaluation")
+    p.add_argument("--acceptance-every", type=int,
                    help="every N steps (and at the end) the simulated acceptance on held-out samples (0: never)")
-    p.add_argument("--acceptance-samples", type=int, default=32, help="held-out samples it uses")
-    p.add_argument("--acceptance-patience", type=int, default=3,
+    p.add_argument("--acceptance-samples", type=int, help="held-out samples it uses")
+    p.add_argument("--acceptance-patience", type=int,
                    help="measurements without a gain after which the run says acceptance stopped improving")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--attention", choices=["auto", "sdpa", "flex", "split"], default="auto",
+    p.add_argument("--attention", choices=["auto", "sdpa", "flex", "split"],
                    help="auto: flex attention (block-sparse) on GPU, dense-mask SDPA on CPU; split: context "
                         "(flex on GPU) and own-block attention apart, merged by log-sum-exp")
-    p.add_argument("--compile", action="store_true", help="torch.compile the drafter layers (GPU)")
-    p.add_argument("--head-chunk", type=int, default=2048,
+    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the drafter layers (GPU)")
+    p.add_argument("--head-chunk", type=int,
                    help="scored block tokens per LM-head/CE chunk (0: all logits at once; head_loss.py)")
-    p.add_argument("--layout", choices=["auto", "packed", "padded"], default="auto",
+    p.add_argument("--layout", choices=["auto", "packed", "padded"],
                    help="packed: a micro-batch's samples end to end in one row, only real blocks computed; padded: "
                         "one row per sample (on GPU padded to --num-anchors blocks). auto: packed on GPU offline "
                         "with --compile")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="bf16 TFLOP/s the logged MFU is set against (0: the measured rate of a known GPU, "
                         "H200 790; none on CPU)")
-    p.add_argument("--cpu-threads", type=int, default=1,
+    p.add_argument("--cpu-threads", type=int,
                    help="torch threads on CPU (1: tiny models run far faster without OpenMP spinning on shared cores)")
-    p.add_argument("--trust-remote-code", action="store_true",
+    p.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="let transformers run the target's own model/tokenizer code (target.trust_remote_code)")
 
 
@@ -182,7 +182,7 @@ def _drafter_config(args, dev: torch.device):
     tcfg = read_config(args.model)
     n_target = int(text_config(tcfg)["num_hidden_layers"])
     if args.target_layer_ids:
-        layer_ids = validate_target_layer_ids(str(args.target_layer_ids).split(","), n_target)
+        layer_ids = validate_target_layer_ids(args.target_layer_ids, n_target)
     else:
         layer_ids = default_target_layer_ids(n_target, args.num_layers)
     head = load_target_head(args.model, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).to(dev)
