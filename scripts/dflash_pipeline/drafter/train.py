@@ -49,7 +49,7 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.progress import Progress
 from dflash_pipeline.settings import typed
 from dflash_pipeline.target import read_config, text_config
-from dflash_pipeline.target_layers import default_target_layer_ids, validate_target_layer_ids
+from dflash_pipeline.target_layers import resolve_target_layer_ids
 from dflash_pipeline.write_checks import check_output_dirs, named_write_errors
 
 log = logging.getLogger("dflash_pipeline.drafter.train")
@@ -200,10 +200,8 @@ def _drafter_config(s, job: TrainJob, dev: torch.device):
     """The drafter's config (target shapes, layer ids, mask token) and the target's frozen embedding/head."""
     tcfg = read_config(job.model)
     n_target = int(text_config(tcfg)["num_hidden_layers"])
-    if s.target_layer_ids:
-        layer_ids = validate_target_layer_ids(s.target_layer_ids, n_target)
-    else:
-        layer_ids = default_target_layer_ids(n_target, s.num_layers)
+    # the same resolver as extract's and the plan's: explicit ids, else spread for num_layers
+    layer_ids = resolve_target_layer_ids({"target_layer_ids": s.target_layer_ids, "num_layers": s.num_layers}, n_target)
     head = load_target_head(job.model, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).to(dev)
     mask_id = resolve_mask_token_id(job.model, s.mask_token_id, head.vocab_rows, s.trust_remote_code)
     head.check_mask_token(mask_id)
