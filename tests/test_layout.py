@@ -90,3 +90,27 @@ def test_no_function_is_longer_than_80_lines():
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {n} lines")
     assert not long, "\n".join(long)
+
+
+def test_every_module_is_used_by_the_pipeline():
+    """A module that only tests or benchmarks import belongs in tests/support, not in the package (and its
+    dependencies out of the pipeline's)."""
+    from dflash_pipeline.cli import STAGES
+
+    used = {spec.module for spec in STAGES.values()} | {"dflash_pipeline.cli"}
+    for path, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_pipeline"):
+                used.add(node.module)
+                used.update(f"{node.module}.{a.name}" for a in node.names)  # `from pkg import module`
+            elif isinstance(node, ast.Import):
+                used.update(a.name for a in node.names)
+    for smk in (REPO / "rules").glob("*.smk"):  # the rules import helpers too
+        for line in smk.read_text().splitlines():
+            if line.startswith("from dflash_pipeline"):
+                module, names = line[5:].split(" import ")
+                used.add(module)
+                used.update(f"{module}.{n.strip()}" for n in names.split(","))
+    modules = {".".join(("dflash_pipeline",) + p.relative_to(PKG).with_suffix("").parts)
+               for p in PKG.rglob("*.py") if p.name != "__init__.py"}
+    assert not sorted(modules - used), sorted(modules - used)
