@@ -1,4 +1,3 @@
-import contextlib
 import glob
 import json
 import os
@@ -6,7 +5,6 @@ import re
 import shlex
 import shutil
 import sys
-import tempfile
 
 from snakemake.resources import Resources
 from snakemake.utils import validate
@@ -19,6 +17,7 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.target import fingerprint as target_fingerprint
 from dflash_pipeline.target import is_gguf_path
 from dflash_pipeline.target_import.gguf import IMPORTED_FILES
+from dflash_pipeline.workflow_files import ManifestCache, storage_copy
 
 # The schema ships with the package (one file states every default, for the workflow and a stage run by hand).
 # A misspelled key is one line per mistake (Snakemake's own message prints the whole schema after it).
@@ -179,28 +178,12 @@ def target_model_dir(input_files):
     return TARGET_SOURCE
 
 
-_MANIFEST_CACHE = {}
+_MANIFESTS = ManifestCache()
 
 
 def manifest():
-    """The shard manifest, parsed once per version of the file (input functions call this per job:
-    re-parsing it for each of thousands of shards would dominate the planning time)."""
-    out = checkpoints.manifest.get().output.manifest
-    local = out.storage_object.local_path() if getattr(out, "storage_object", None) else str(out)
-    try:
-        st = os.stat(local)
-        key = (str(out), st.st_mtime_ns, st.st_size)
-    except OSError:
-        key = None
-    if key is None or key not in _MANIFEST_CACHE:
-        with out.open() as fh:
-            data = json.load(fh)
-        data["_by_shard"] = {s["shard"]: s for s in data["shards"]}
-        if key is None:
-            return data
-        _MANIFEST_CACHE.clear()
-        _MANIFEST_CACHE[key] = data
-    return _MANIFEST_CACHE[key]
+    """The shard manifest (parsed once per version of the file: dflash_pipeline/workflow_files.py)."""
+    return _MANIFESTS.get(checkpoints.manifest.get().output.manifest)
 
 
 def shard_ids():
@@ -437,35 +420,6 @@ CALIBRATE = GEN["calibrate"]
 CALIBRATION = os.path.join(R, "calibration/generation.json")
 CALIBRATION_SAMPLE = os.path.join(R, "calibration/sample.parquet")
 GENERATION_GATE = os.path.join(R, "calibration/gate.ok")
-
-
-@contextlib.contextmanager
-def storage_copy(f):
-    """A local path to read a file that may live in storage (--default-storage-provider), or None when it does
-    not exist. Snakemake retrieves a job's inputs, not what an input function or a param reads: a storage
-    object is downloaded here to a private temporary file, never to its local copy's path, which belongs to
-    the job that writes it (the DAG is re-evaluated while jobs run) and would go stale if left behind."""
-    obj = getattr(f, "storage_object", None)
-    if obj is None:
-        yield str(f) if os.path.exists(f) else None
-        return
-    local = str(obj.local_path())
-    if os.path.exists(local):  # a job of this run wrote or retrieved it: the current version
-        yield local
-        return
-    if not obj.exists():
-        yield None
-        return
-    with tempfile.TemporaryDirectory(prefix="dflash-storage-") as tmp:
-        copy = os.path.join(tmp, os.path.basename(local))
-        download = getattr(obj, "s3obj", None)  # the S3 plugin's object: download anywhere
-        if download is not None:
-            download().download_file(copy)
-        else:  # other plugins only retrieve to the local path: move it out at once
-            os.makedirs(os.path.dirname(local), exist_ok=True)
-            obj.retrieve_object()
-            shutil.move(local, copy)
-        yield copy
 
 
 def calibration_sample_settings():
