@@ -17,6 +17,7 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.target import fingerprint as target_fingerprint
 from dflash_pipeline.target import is_gguf_path
 from dflash_pipeline.target_import.gguf import IMPORTED_FILES
+from dflash_pipeline.settings.rule_params import RuleParams
 from dflash_pipeline.workflow_files import ManifestCache, storage_copy
 
 # The schema ships with the package (one file states every default, for the workflow and a stage run by hand).
@@ -195,27 +196,26 @@ def training_dataset():
     return "regenerated" if config["generate"]["enabled"] else "source"
 
 
-# Keys that size a job rather than change its output: kept out of the settings (and out of params), so that
-# moving a run to more GPUs or memory reruns nothing.
-RESOURCE_KEYS = frozenset({"gpus", "nodes", "mem_mb", "runtime_min"})
-# how train and evaluate run, not what they write: not params either (runtime_settings). Evaluation's batch and
-# CUDA graphs change how many prompts decode at once, not the tokens (tests/test_batched_decoding.py)
-RUNTIME_ONLY = {"train": ("cpu_threads",), "evaluate": ("cpu_threads", "batch_size", "eager")}
+# Every rule's settings (dflash_pipeline/settings/rule_params.py): the --settings JSON of each stage, its rule's
+# one output-changing param, and the runtime settings passed through the environment.
+PARAMS = RuleParams(config, R, getattr(workflow.storage_settings, "default_storage_prefix", None))
+stage_settings = PARAMS.stage
+TRUST = PARAMS.trust
 
 
-def stage_settings(section, keys=None, drop=(), **extra):
-    """A config section as the one `--settings` JSON its stage takes, and the rule's one output-changing param:
-    `keys` picks keys (default: all but resources, runtime-only knobs and `drop`), `extra` adds or renames."""
-    values = config[section] if section else {}
-    skip = RESOURCE_KEYS.union(RUNTIME_ONLY.get(section, ()), drop)
-    wanted = keys if keys is not None else [k for k in values if k not in skip]
-    settings = {k: values[k] for k in wanted if k in values}
-    settings.update(extra)
-    return json.dumps(settings, sort_keys=True, default=str)
+def generate_settings():
+    """generate's and calibrate's --settings; a backend without what it needs stops the parse in one line."""
+    try:
+        return PARAMS.generate()
+    except PipelineError as exc:
+        raise WorkflowError(str(exc))
 
 
-# only stated when on, so that every stage that loads the target must understand it (an unknown setting is an error)
-TRUST = {"trust_remote_code": True} if config["target"].get("trust_remote_code") else {}
+calibration_settings = generate_settings
+extract_settings = PARAMS.extract
+train_settings = PARAMS.train
+rates_settings = PARAMS.rates
+PLAN_CONFIG = PARAMS.plan()
 
 
 def log(name):
@@ -301,78 +301,15 @@ def after(aggregate, **wildcards):
 # ------------------------------------------------------------------ generation
 
 GEN = config["generate"]
-GEN_HF = GEN.get("hf") or {}
-GEN_SGLANG = GEN.get("sglang") or {}
-
-
-def generation_backend_settings():
-    """The backend's own settings for `generate` and `calibrate` (hf in-process, or sglang); the endpoints of
-    backend `servers` are operational (generation_runtime_settings)."""
-    if GEN["backend"] == "hf":
-        # not threads: how fast, not what (generation_runtime_settings)
-        hf_keys = (
-            "batch_size",
-            "device",
-            "dtype",
-            "context_length",
-            "max_batch_tokens",
-            "cache",
-            "engine",
-            "slot_width",
-        )
-        return {k: GEN_HF[k] for k in hf_keys if GEN_HF.get(k) not in (None, "")}
-    if GEN["backend"] == "servers":
-        if not GEN["servers"]:
-            raise WorkflowError("generate.backend is 'servers' but generate.servers lists no endpoint")
-        return {}
-    if GEN["gpus"] < 1:
-        raise WorkflowError(
-            "generate.backend is 'sglang' but generate.gpus is 0: give each job its GPUs (tp_size x dp_size x instances)"
-        )
-    # an unset tool_call_parser is left out: the params (and outputs) of configs without it stay as they were
-    sglang = {k: v for k, v in GEN_SGLANG.items() if k != "tool_call_parser" or v}
-    return {"sglang_json": json.dumps(sglang, sort_keys=True)}
-
-
-def generate_settings():
-    """`generate:` settings that decide the answers, as the stage's --settings (a param of the rules, so
-    changing one regenerates): sampling, backend, turn and length policies. Not the resources, the calibration, the gate's
-    limits, nor the operational knobs (generation_runtime_settings)."""
-    keys = ["backend", "api", "max_in_flight", "max_new_tokens", "temperature", "top_p", "top_k", "seed"]
-    keys += ["enable_thinking", "turns", "on_length", "length_retry_max_new_tokens", "model_name"]
-    return stage_settings("generate", keys=keys, **generation_backend_settings(), **TRUST)
-
-
-def generation_runtime_settings():
-    """Knobs that change how a generation job runs, never what it writes (progress, timeouts, retries, journal
-    flushing and mirror, the running servers, the hf backend's CPU threads). Not a param, so changing one reruns nothing: the rules pass them
-    through the environment (DFLASH_GENERATE_RUNTIME, set here, so every Snakemake process that runs a job has
-    it) as `--runtime-settings "$DFLASH_GENERATE_RUNTIME"`."""
-    mirror = GEN.get("journal_mirror") or ""
-    prefix = str(getattr(workflow.storage_settings, "default_storage_prefix", None) or "")
-    if not mirror and prefix.startswith("s3://"):
-        mirror = f"{prefix.rstrip('/')}/{R}/completions/journal"  # outputs on S3: journals follow them
-    names = dict(max_retries="max_retries", empty_retries="empty_retries", retry_failed="retry_failed")
-    names.update(flush_every="journal_flush_every", progress_interval="progress_interval_s")
-    names.update(request_timeout="request_timeout_s", all_down_timeout="all_down_timeout_s")
-    runtime = {option: GEN[key] for option, key in names.items() if GEN.get(key) is not None}
-    runtime["journal_mirror"] = mirror
-    if GEN["backend"] == "hf" and GEN_HF.get("threads"):
-        runtime["threads"] = GEN_HF["threads"]
-    if GEN["backend"] == "servers":
-        runtime["servers"] = GEN["servers"]
-    return runtime
-
-
-def runtime_settings(section):
-    return {k: config[section][k] for k in RUNTIME_ONLY[section] if config[section].get(k) is not None}
 
 
 # set (not read) here, in every Snakemake process that parses the workflow, so the jobs it starts inherit them
 os.environ.update(
-    DFLASH_GENERATE_RUNTIME=json.dumps(generation_runtime_settings(), sort_keys=True),
-    DFLASH_TRAIN_RUNTIME=json.dumps(runtime_settings("train"), sort_keys=True),
-    DFLASH_EVALUATE_RUNTIME=json.dumps(runtime_settings("evaluate"), sort_keys=True),
+    DFLASH_GENERATE_RUNTIME=json.dumps(PARAMS.generate_runtime(), sort_keys=True),
+    DFLASH_TRAIN_RUNTIME=json.dumps(PARAMS.runtime("train"), sort_keys=True),
+    DFLASH_EVALUATE_RUNTIME=json.dumps(PARAMS.runtime("evaluate"), sort_keys=True),
+    # calibrate-rates reads the run's whole train settings from here, as the runtime settings are read
+    DFLASH_RATES_TRAIN_SETTINGS=PARAMS.train(),
 )
 
 
@@ -466,14 +403,6 @@ def calibration_sample_identity(wildcards):
         return sample_identity(path)
 
 
-def calibration_settings():
-    """What decides the measured rate, as `calibrate --settings`: backend, target and sampling. These are the
-    calibrate rule's params, so nothing else (limits, progress, retries, resources) recalibrates."""
-    keys = ["backend", "api", "max_in_flight", "max_new_tokens", "temperature", "top_p", "top_k", "seed"]
-    keys += ["enable_thinking", "turns", "on_length", "length_retry_max_new_tokens", "model_name"]
-    return stage_settings("generate", keys=keys, **generation_backend_settings(), **TRUST)
-
-
 def generation_limits():
     limits = {"--max-wall-hours": GEN.get("max_wall_hours"), "--max-gpu-hours": GEN.get("max_gpu_hours")}
     return " ".join(f"{flag} {value}" for flag, value in limits.items() if value is not None)
@@ -487,18 +416,6 @@ def plan_calibration():
 # ------------------------------------------------------------------ extraction and training
 
 EXTRACT = config["extract"]
-
-
-def extract_settings():
-    """The extract rule's --settings (calibrate-rates measures with the same)."""
-    return stage_settings(
-        "extract",
-        # encode_threads is the rule's threads (not a param: how many threads write it changes no byte);
-        # shards_per_job is the group (its members are the inputs)
-        drop=("assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "encode_threads", "shards_per_job"),
-        drafter_config=drafter_layers_json(),
-        **TRUST,
-    )
 
 
 RATES = os.path.join(R, "calibration/rates.json")
@@ -526,33 +443,6 @@ def extraction_group_members(exgroup):
     return [s for s in shard_ids() if extraction_group_of(s) == exgroup]
 
 
-# what the plan and the cost preview read of the config
-# what the plan and the preview read of each section (planning/plan.py, projection.py), and only that: a
-# learning rate, a progress interval or a timeout changes no projection, so it reruns no plan (nor the
-# generation gate behind it)
-PLAN_KEYS = {
-    "generate": ("enabled", "max_new_tokens", "parallel_jobs", "gpus", "shards_per_job", "assumed"),
-    "tokenize": ("max_length",),
-    "extract": ("codec", "assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "shards_per_job"),
-    "drafter": ("num_layers", "target_layer_ids"),
-    "train": ("epochs", "mode", "num_anchors", "max_length"),
-    "cost": ("gpu_hour_usd",),
-}
-PLAN_CONFIG = json.dumps(
-    {name: {k: (config.get(name) or {}).get(k) for k in keys} for name, keys in PLAN_KEYS.items()},
-    sort_keys=True,
-    default=str,
-)
-
-
-def drafter_layers_json():
-    """Only what decides the target layers: the drafter's num_layers / target_layer_ids (training owns them)."""
-    d = config.get("drafter") or {}
-    return json.dumps({k: d[k] for k in ("num_layers", "target_layer_ids") if d.get(k) is not None}, sort_keys=True)
-
-
-from dflash_pipeline.cluster.launch_torchrun import train_resources
-
 TRAIN = config["train"]
 DRAFTER = config["drafter"]
 
@@ -565,61 +455,6 @@ def train_inputs(wildcards):
 
 def train_verdicts(wildcards):
     return settled(wildcards)
-
-
-def train_settings():
-    """train: (minus resources) + the drafter's shape + the evaluation holdout, as one JSON."""
-    keys = ("num_layers", "block_size", "mask_token_id", "target_layer_ids")
-    drafter = {k: DRAFTER[k] for k in keys if DRAFTER.get(k) is not None}
-    # checkpoints are not an output: on S3 storage (Kubernetes, no shared disk) mirror them, so a job that
-    # restarts on another machine resumes instead of starting over
-    mirror = TRAIN.get("checkpoint_mirror") or ""
-    prefix = str(getattr(workflow.storage_settings, "default_storage_prefix", None) or "")
-    if not mirror and prefix.startswith("s3://"):
-        mirror = f"{prefix.rstrip('/')}/{R}/train/checkpoints"
-    return stage_settings(
-        "train",
-        drop=("checkpoint_mirror",),
-        **drafter,
-        checkpoint_mirror=mirror,
-        holdout_fraction=config["evaluate"]["holdout_fraction"],
-        **TRUST,
-    )
-
-
-# What decides training's speed, not its outcome: calibrate-rates' params (a new learning rate measures nothing
-# again). The run's whole train settings reach it through the environment, as the runtime settings do.
-TRAIN_RATE_KEYS = (
-    "mode",
-    "num_anchors",
-    "max_length",
-    "batch_size",
-    "grad_accum",
-    "attention",
-    "compile",
-    "head_chunk",
-    "layout",
-    "num_layers",
-    "block_size",
-    "target_layer_ids",
-)
-os.environ.update(DFLASH_RATES_TRAIN_SETTINGS=train_settings())
-
-
-def rates_settings():
-    """calibrate-rates' one param: the extract settings, the speed-deciding train settings and its own."""
-    train = json.loads(train_settings())
-    cost = config["cost"]
-    return json.dumps(
-        {
-            "extract": json.loads(extract_settings()),
-            "shards_per_job": EXTRACT["shards_per_job"],
-            "train": {k: train.get(k) for k in TRAIN_RATE_KEYS},
-            "tokens": cost["calibrate_rates_tokens"],
-            "train_steps": cost["calibrate_rates_train_steps"],
-        },
-        sort_keys=True,
-    )
 
 
 EVAL = config["evaluate"]
