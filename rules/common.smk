@@ -6,7 +6,6 @@ import shlex
 import shutil
 import sys
 
-from snakemake.resources import Resources
 from snakemake.utils import validate
 
 from dflash_pipeline import package_paths, settings
@@ -285,19 +284,6 @@ def gate_mode(dataset):
     return "prompts" if dataset == "source" and config["generate"]["enabled"] else "full"
 
 
-# ------------------------------------------------------------------ verdicts: waited for, not inputs
-
-
-def after(aggregate, **wildcards):
-    """For an input function: wait for an aggregate that decides rather than feeds (a gate, the plan), without
-    taking its file as an input. Its rewrite (a shard added elsewhere, a touch, the same verdict again) then
-    redoes no per-shard job, in the same invocation: a job that asks is re-evaluated once the checkpoint has
-    run. (Not ancient(): jobs behind an ancient() input of a rerunning job are never re-evaluated for their own
-    changes in that invocation, snakemake/snakemake#4166.) A failed gate stops the run before them."""
-    aggregate.get(**wildcards)
-    return []
-
-
 # ------------------------------------------------------------------ generation
 
 GEN = config["generate"]
@@ -311,30 +297,6 @@ os.environ.update(
     # calibrate-rates reads the run's whole train settings from here, as the runtime settings are read
     DFLASH_RATES_TRAIN_SETTINGS=PARAMS.train(),
 )
-
-
-def generation_gates(wildcards):
-    return after(checkpoints.gate, dataset="source") + after(checkpoints.generation_gate)
-
-
-def settled(wildcards):
-    """Every verdict upstream of a job after generation, in order, waited for. Snakemake keeps the reason it
-    gave a job while something upstream was pending; only the jobs that asked a checkpoint are re-evaluated
-    when it has run. So every job downstream of a verdict asks for it too, not only the first one."""
-    verdicts = generation_gates(wildcards) if GEN["enabled"] else []
-    return verdicts + after(checkpoints.gate, dataset=training_dataset()) + after(checkpoints.plan)
-
-
-def regenerated_settled(wildcards):
-    """settled() for the jobs between generation and its gate (the regenerated dataset's tokenize, audit)."""
-    return generation_gates(wildcards) if wildcards.dataset == "regenerated" else []
-
-
-def generation_calibration(wildcards):
-    """The calibration a generation job compares its live rate with. ancient(), and only once the generation
-    gate has run: a recalibration reruns the plan and that gate first, so its producer never reruns behind it."""
-    checkpoints.generation_gate.get()
-    return ancient(CALIBRATION)
 
 
 GEN_SETTINGS = generate_settings() if GEN["enabled"] else "{}"
@@ -453,10 +415,6 @@ def train_inputs(wildcards):
     return expand(os.path.join(R, "tokens", training_dataset(), "{shard}.parquet"), shard=shard_ids())
 
 
-def train_verdicts(wildcards):
-    return settled(wildcards)
-
-
 EVAL = config["evaluate"]
 
 
@@ -493,34 +451,23 @@ def backend_ready(wildcards):
     return []
 
 
-def _known_resources(resources):
-    """{name: value} of resources before a job exists (one computed per job, or given as an expression on the
-    command line or in a profile, by its text)."""
-    return {name: res.raw if res.is_evaluable() else res.value for name, res in resources.items()}
-
-
 def run_preflight():
-    """Seconds of checks before any job (README: "Before the first run"): the target directory, the generation
-    backend, the inputs' reachability and every GPU rule's resources on this invocation's executor. Called by
-    the Snakefile once every rule exists; jobs on a cluster (remote mode) were checked when they were submitted."""
+    """Seconds of checks before any job (README: "Before the first run"; planning/preflight.py), every mistake
+    in one run: the config's paths, the target, the inputs, the resources. Called by the Snakefile once every
+    rule exists; jobs on a cluster (remote mode) were checked when they were submitted."""
     if workflow.remote_exec or workflow.subprocess_exec:
         return
-    executor = preflight.executor_name(sys.argv[1:], os.environ)
-    storage_provider = workflow.storage_settings.default_storage_provider
-    problems = list(CONFIG_PATH_PROBLEMS)  # every mistake in one run: the config's paths, target, inputs, resources
-    if not DEMO_BUILDS_TARGET and executor != "kubernetes" and TARGET_RESOLVED:  # a pod's model lives in its image
-        problems += preflight.target_problems(TARGET_SOURCE)  # pkg:// resolved
-    remote = (
-        f"{storage_provider} {workflow.storage_settings.default_storage_prefix or ''}" if storage_provider else None
+    target = TARGET_SOURCE if not DEMO_BUILDS_TARGET and TARGET_RESOLVED else None  # pkg:// resolved
+    problems = CONFIG_PATH_PROBLEMS + preflight.workflow_problems(
+        workflow,
+        config,
+        results=R,
+        inputs=RAW_INPUTS,
+        built_inputs=set(demo_data_files()),
+        target=target,
+        argv=sys.argv[1:],
+        env=os.environ,
+        cwd=os.getcwd(),
     )
-    problems += preflight.input_problems(RAW_INPUTS, set(demo_data_files()), remote, results=R)
-    if not storage_provider:  # a results directory belongs to one working directory (its .snakemake records)
-        problems += [p for p in [preflight.results_owner_problem(R, os.getcwd(), claim=not workflow.dryrun)] if p]
-    rules_resources = {r.name: _known_resources(r.resources) for r in workflow.rules}
-    overrides = {
-        name: _known_resources(Resources.from_mapping(m))
-        for name, m in workflow.resource_settings.overwrite_resources.items()
-    }
-    problems += preflight.resource_problems(rules_resources, overrides, config, executor, f"executor {executor}")
     if problems:
         raise WorkflowError("preflight: " + "\npreflight: ".join(problems))
