@@ -136,3 +136,29 @@ def test_python_types_of_schema_properties():
     assert typed.python_type({"oneOf": [{"type": "null"}, {"type": "number"}]}) == type(None) | float | int
     assert typed.python_type({"enum": ["a", "b"]}) is str
     assert typed.python_type({"type": "array", "items": {"type": "string"}}) is tuple
+
+
+def _train_options(*extra: str) -> argparse.Namespace:
+    argv = ["train", "--inputs", "t.parquet", "--model", "m", "--out", "o", "--checkpoint-dir", "c", *extra]
+    return cli.build_parser("train", argv).parse_args(argv)
+
+
+def test_train_run_by_hand_may_hold_out_nothing_while_the_workflow_needs_a_split():
+    """train's --holdout-fraction is the workflow's evaluate.holdout_fraction (same default), but a stage run by
+    hand may hold out nothing (0: every sample trains, no acceptance monitor), as benchmarks/recipe_at_scale.py's
+    tiny run does; the workflow's config still needs a held-out split for evaluate."""
+    assert _train_options().holdout_fraction == settings.default("evaluate.holdout_fraction")
+    cli.check_options(_train_options("--holdout-fraction", "0"), "train")
+    cli.apply_settings(_raw_parser("train"), "train", json.dumps({"holdout_fraction": 0}))
+    for bad in ("-0.1", "0.6"):
+        with pytest.raises(cli.PipelineError, match="--holdout-fraction"):
+            cli.check_options(_train_options("--holdout-fraction", bad), "train")
+    assert settings.problem(0, settings.prop("evaluate.holdout_fraction")) is not None
+    assert settings.problem(0.0, cli.option_prop("evaluate", "holdout_fraction", "evaluate.holdout_fraction"))
+
+
+def test_stage_bounds_name_options_that_are_settings():
+    for stage, spec in cli.STAGES.items():
+        keys = cli.setting_keys(stage, cli.option_dests(_raw_parser(stage)))
+        assert set(spec.bounds) <= set(keys), (stage, sorted(set(spec.bounds) - set(keys)))
+        assert all(set(b) <= set(cli.BOUND_KEYWORDS) for b in spec.bounds.values()), stage

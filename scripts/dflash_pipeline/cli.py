@@ -36,6 +36,9 @@ class Stage:
     help: str
     sections: tuple[str, ...] = ()  # config sections whose keys, where an option has that name, are its settings
     aliases: dict[str, str] = field(default_factory=dict)  # option -> dotted schema key, where the names differ
+    # option -> its own bounds (minimum, maximum, exclusive...), where the stage run by hand accepts values the
+    # workflow's config does not (the schema's bounds of that key are replaced, its type and default kept)
+    bounds: dict[str, dict] = field(default_factory=dict)
 
 
 # every stage that loads the target
@@ -93,7 +96,9 @@ STAGES = {
     "hidden-verify": Stage("dflash_pipeline.hidden_states.verify", "add_arguments", "run",
                            "check hidden-state shards (footer, index, every checksum)"),
     "train": Stage("dflash_pipeline.drafter.train", "add_arguments", "run", "train the DFlash drafter",
-                   ("train", "drafter"), {**TARGET, "holdout_fraction": "evaluate.holdout_fraction"}),
+                   ("train", "drafter"), {**TARGET, "holdout_fraction": "evaluate.holdout_fraction"},
+                   # 0 trains on every sample (no acceptance monitor); the workflow's evaluate needs a held-out split
+                   {"holdout_fraction": {"minimum": 0, "maximum": 0.5}}),
     "export": Stage("dflash_pipeline.drafter.export", "add_arguments", "run",
                     "export an engine-loadable drafter checkpoint",
                     aliases={**TARGET, "dtype": "drafter.export_dtype"}),
@@ -127,6 +132,19 @@ def setting_keys(stage: str, dests) -> dict[str, str]:
     return keys
 
 
+BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def option_prop(stage: str, dest: str, path: str) -> dict:
+    """The property schema a stage's option is checked against: its config key's, with the stage's own bounds
+    (Stage.bounds) in place of the key's where the stage has them."""
+    prop = settings.prop(path)
+    own = STAGES[stage].bounds.get(dest)
+    if own is None:
+        return prop
+    return {**{k: v for k, v in prop.items() if k not in BOUND_KEYWORDS}, **own}
+
+
 def _settings_object(settings_json: str | None, option: str, stage: str, dests: dict) -> dict:
     if not settings_json:
         return {}
@@ -145,7 +163,7 @@ def _settings_object(settings_json: str | None, option: str, stage: str, dests: 
 
 def _setting_value(stage: str, key: str, value, action: argparse.Action, path: str | None):
     """A `--settings` value checked against the schema (type, bounds) and converted as its option would be."""
-    if path is not None and value is not None and (why := settings.problem(value, settings.prop(path))):
+    if path is not None and value is not None and (why := settings.problem(value, option_prop(stage, key, path))):
         raise PipelineError(f"{stage} --settings: {key}={value!r}: {why} (the config schema's {path})")
     if isinstance(value, bool) and action.choices is not None and "true" in action.choices:
         value = str(value).lower()  # YAML true/false for an option spelled auto|true|false
@@ -177,7 +195,7 @@ def apply_settings(parser: argparse.ArgumentParser, stage: str, settings_json: s
 def check_options(args: argparse.Namespace, stage: str) -> None:
     """Options given on the command line obey the schema's types and bounds too (`--max-record-bytes -1`)."""
     for dest, path in setting_keys(stage, vars(args)).items():
-        value, prop = getattr(args, dest), settings.prop(path)
+        value, prop = getattr(args, dest), option_prop(stage, dest, path)
         if value is None or "enum" in prop:  # unset; enums are argparse choices, checked there
             continue
         if (why := settings.problem(value, prop)):
