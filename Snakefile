@@ -12,6 +12,7 @@ configfile: os.path.join(workflow.basedir, "config/config.yaml")
 
 
 include: "rules/common.smk"
+include: "rules/verdicts.smk"
 
 
 wildcard_constraints:

@@ -34,6 +34,7 @@ from pathlib import Path
 import zstandard
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # tests/support: the Qwen3.6 vocabulary
 SEED_SIZE = 913_786
 PLACEHOLDER_PERCENT = 87
 PLACEHOLDERS = ["OK.", "Okay.", "Sure.", "Done.", "Yes."]
@@ -231,7 +232,7 @@ STAGES = ("ingest", "manifest", "shard", "tokenize", "audit", "gate")
 def prepare_workdir(workdir: Path, corpus: Path, overrides: dict | None = None) -> None:
     """The workflow sources, the Qwen3.6 tokenizer as the target's tokenizer (unless `overrides` names another
     target), and the config of the inputs (plus `overrides`)."""
-    from dflash_pipeline.demo.qwen_vocab import qwen36_tokenizer
+    from support.qwen_vocab import qwen36_tokenizer
 
     overrides = overrides or {}
     for name in WORKFLOW_FILES:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support: the Qwen3.6 vocabulary
 
 from dflash_pipeline.data.chat_masking import ChatMasker  # noqa: E402
 from dflash_pipeline.demo.data import make_conversation  # noqa: E402
@@ -83,7 +84,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from dflash_pipeline.demo.qwen_vocab import qwen36_tokenizer
+    from support.qwen_vocab import qwen36_tokenizer
 
     tiny_dir = args.tiny_model
     if tiny_dir is None:

@@ -50,7 +50,8 @@ from dflash_pipeline.drafter.metrics import StepMetrics
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.steps import Prefetcher, StepData
 from dflash_pipeline.drafter.target_head import TargetHead
-from dflash_pipeline.drafter.train import TrainingRun, _wrap_for_training, collate_micro, lr_lambda_factory, train_step
+from dflash_pipeline.drafter.train import (TrainingRun, TrainJob, _wrap_for_training, collate_micro, lr_lambda_factory,
+                                          train_step)
 from dflash_pipeline.target_layers import default_target_layer_ids
 
 DEVICE_NOTES_BF16 = 790e12
@@ -128,7 +129,8 @@ def make_run(v: dict, cfg, head, source, dist_, args) -> TrainingRun:
     opt = torch.optim.AdamW(drafter.parameters(), lr=6e-4, betas=(0.9, 0.95), fused=gpu or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_factory(1000, 40))
     model = _wrap_for_training(targs, drafter, dist_)
-    return TrainingRun(targs, dist_, cfg, head, source, steps, 1000, drafter, model, opt, sched, None,
+    job = TrainJob(inputs=[], model="", out="", checkpoint_dir="")  # no files: the benchmark times steps only
+    return TrainingRun(targs, job, dist_, cfg, head, source, steps, 1000, drafter, model, opt, sched, None,
                        v["attention"], v["layout"] == "packed", v["pack_align"])
 
 

@@ -20,9 +20,9 @@ checkpoint calibration_sample:
     conda:
         ENV_CPU
     params:
-        samples=CALIBRATE.get("samples", 256),
-        warmup=CALIBRATE.get("warmup_requests", 8),
-        seed=CALIBRATE.get("seed", 0),
+        samples=CALIBRATE["samples"],
+        warmup=CALIBRATE["warmup_requests"],
+        seed=CALIBRATE["seed"],
     shell:
         "dflash-pipeline calibrate-sample --tokens {input.tokens:q} --shards {input.shards:q} "
         "--samples {params.samples} --warmup {params.warmup} --seed {params.seed} --out {output:q} > {log:q} 2>&1"
@@ -106,8 +106,8 @@ if config["cost"].get("calibrate_rates"):
             settings=rates_settings(),
             extract=extract_settings(),
             shards_per_job=EXTRACT["shards_per_job"],
-            tokens=config["cost"].get("calibrate_rates_tokens", 131072),
-            steps=config["cost"].get("calibrate_rates_train_steps", 8),
+            tokens=config["cost"]["calibrate_rates_tokens"],
+            steps=config["cost"]["calibrate_rates_train_steps"],
         shell:
             # the figures go to the terminal as well; the scratch directory is removed by the stage
             'work=$(mktemp -d "${{TMPDIR:-/tmp}}/dflash-rates.XXXXXX") && '

@@ -1,4 +1,3 @@
-import contextlib
 import glob
 import json
 import os
@@ -6,12 +5,10 @@ import re
 import shlex
 import shutil
 import sys
-import tempfile
 
-from snakemake.resources import Resources
 from snakemake.utils import validate
 
-from dflash_pipeline import package_paths
+from dflash_pipeline import package_paths, settings
 from dflash_pipeline.cluster.launch_torchrun import train_resources
 from dflash_pipeline.generation.sglang_flags import version as sglang_flags_version
 from dflash_pipeline.planning import preflight
@@ -19,12 +16,15 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.target import fingerprint as target_fingerprint
 from dflash_pipeline.target import is_gguf_path
 from dflash_pipeline.target_import.gguf import IMPORTED_FILES
+from dflash_pipeline.settings.rule_params import RuleParams
+from dflash_pipeline.workflow_files import ManifestCache, storage_copy
 
-# a misspelled key is one line per mistake (Snakemake's own message prints the whole schema after it)
-_CONFIG_PROBLEMS = preflight.schema_errors(config, os.path.join(workflow.current_basedir, "schemas/config.schema.yaml"))
+# The schema ships with the package (one file states every default, for the workflow and a stage run by hand).
+# A misspelled key is one line per mistake (Snakemake's own message prints the whole schema after it).
+_CONFIG_PROBLEMS = preflight.schema_errors(config, settings.SCHEMA_PATH)
 if _CONFIG_PROBLEMS:
     raise WorkflowError("\n".join(_CONFIG_PROBLEMS))
-validate(config, "schemas/config.schema.yaml")  # fills in the schema's defaults
+validate(config, str(settings.SCHEMA_PATH))  # fills in the schema's defaults
 
 R = config["results"]
 # Every rule calls a stage of the project's command, `dflash-pipeline`. When snakemake runs from a venv that is
@@ -178,28 +178,12 @@ def target_model_dir(input_files):
     return TARGET_SOURCE
 
 
-_MANIFEST_CACHE = {}
+_MANIFESTS = ManifestCache()
 
 
 def manifest():
-    """The shard manifest, parsed once per version of the file (input functions call this per job:
-    re-parsing it for each of thousands of shards would dominate the planning time)."""
-    out = checkpoints.manifest.get().output.manifest
-    local = out.storage_object.local_path() if getattr(out, "storage_object", None) else str(out)
-    try:
-        st = os.stat(local)
-        key = (str(out), st.st_mtime_ns, st.st_size)
-    except OSError:
-        key = None
-    if key is None or key not in _MANIFEST_CACHE:
-        with out.open() as fh:
-            data = json.load(fh)
-        data["_by_shard"] = {s["shard"]: s for s in data["shards"]}
-        if key is None:
-            return data
-        _MANIFEST_CACHE.clear()
-        _MANIFEST_CACHE[key] = data
-    return _MANIFEST_CACHE[key]
+    """The shard manifest (parsed once per version of the file: dflash_pipeline/workflow_files.py)."""
+    return _MANIFESTS.get(checkpoints.manifest.get().output.manifest)
 
 
 def shard_ids():
@@ -211,27 +195,26 @@ def training_dataset():
     return "regenerated" if config["generate"]["enabled"] else "source"
 
 
-# Keys that size a job rather than change its output: kept out of the settings (and out of params), so that
-# moving a run to more GPUs or memory reruns nothing.
-RESOURCE_KEYS = frozenset({"gpus", "nodes", "mem_mb", "runtime_min"})
-# how train and evaluate run, not what they write: not params either (runtime_settings). Evaluation's batch and
-# CUDA graphs change how many prompts decode at once, not the tokens (tests/test_batched_decoding.py)
-RUNTIME_ONLY = {"train": ("cpu_threads",), "evaluate": ("cpu_threads", "batch_size", "eager")}
+# Every rule's settings (dflash_pipeline/settings/rule_params.py): the --settings JSON of each stage, its rule's
+# one output-changing param, and the runtime settings passed through the environment.
+PARAMS = RuleParams(config, R, getattr(workflow.storage_settings, "default_storage_prefix", None))
+stage_settings = PARAMS.stage
+TRUST = PARAMS.trust
 
 
-def stage_settings(section, keys=None, drop=(), **extra):
-    """A config section as the one `--settings` JSON its stage takes, and the rule's one output-changing param:
-    `keys` picks keys (default: all but resources, runtime-only knobs and `drop`), `extra` adds or renames."""
-    values = config[section] if section else {}
-    skip = RESOURCE_KEYS.union(RUNTIME_ONLY.get(section, ()), drop)
-    wanted = keys if keys is not None else [k for k in values if k not in skip]
-    settings = {k: values[k] for k in wanted if k in values}
-    settings.update(extra)
-    return json.dumps(settings, sort_keys=True, default=str)
+def generate_settings():
+    """generate's and calibrate's --settings; a backend without what it needs stops the parse in one line."""
+    try:
+        return PARAMS.generate()
+    except PipelineError as exc:
+        raise WorkflowError(str(exc))
 
 
-# only stated when on, so that every stage that loads the target must understand it (an unknown setting is an error)
-TRUST = {"trust_remote_code": True} if config["target"].get("trust_remote_code") else {}
+calibration_settings = generate_settings
+extract_settings = PARAMS.extract
+train_settings = PARAMS.train
+rates_settings = PARAMS.rates
+PLAN_CONFIG = PARAMS.plan()
 
 
 def log(name):
@@ -301,119 +284,19 @@ def gate_mode(dataset):
     return "prompts" if dataset == "source" and config["generate"]["enabled"] else "full"
 
 
-# ------------------------------------------------------------------ verdicts: waited for, not inputs
-
-
-def after(aggregate, **wildcards):
-    """For an input function: wait for an aggregate that decides rather than feeds (a gate, the plan), without
-    taking its file as an input. Its rewrite (a shard added elsewhere, a touch, the same verdict again) then
-    redoes no per-shard job, in the same invocation: a job that asks is re-evaluated once the checkpoint has
-    run. (Not ancient(): jobs behind an ancient() input of a rerunning job are never re-evaluated for their own
-    changes in that invocation, snakemake/snakemake#4166.) A failed gate stops the run before them."""
-    aggregate.get(**wildcards)
-    return []
-
-
 # ------------------------------------------------------------------ generation
 
 GEN = config["generate"]
-GEN_HF = GEN.get("hf") or {}
-GEN_SGLANG = GEN.get("sglang") or {}
-
-
-def generation_backend_settings():
-    """The backend's own settings for `generate` and `calibrate` (hf in-process, or sglang); the endpoints of
-    backend `servers` are operational (generation_runtime_settings)."""
-    if GEN["backend"] == "hf":
-        # not threads: how fast, not what (generation_runtime_settings)
-        hf_keys = (
-            "batch_size",
-            "device",
-            "dtype",
-            "context_length",
-            "max_batch_tokens",
-            "cache",
-            "engine",
-            "slot_width",
-        )
-        return {k: GEN_HF[k] for k in hf_keys if GEN_HF.get(k) not in (None, "")}
-    if GEN["backend"] == "servers":
-        if not GEN["servers"]:
-            raise WorkflowError("generate.backend is 'servers' but generate.servers lists no endpoint")
-        return {}
-    if GEN["gpus"] < 1:
-        raise WorkflowError(
-            "generate.backend is 'sglang' but generate.gpus is 0: give each job its GPUs (tp_size x dp_size x instances)"
-        )
-    # an unset tool_call_parser is left out: the params (and outputs) of configs without it stay as they were
-    sglang = {k: v for k, v in GEN_SGLANG.items() if k != "tool_call_parser" or v}
-    return {"sglang_json": json.dumps(sglang, sort_keys=True)}
-
-
-def generate_settings():
-    """`generate:` settings that decide the answers, as the stage's --settings (a param of the rules, so
-    changing one regenerates): sampling, backend, turn and length policies. Not the resources, the calibration, the gate's
-    limits, nor the operational knobs (generation_runtime_settings)."""
-    keys = ["backend", "api", "max_in_flight", "max_new_tokens", "temperature", "top_p", "top_k", "seed"]
-    keys += ["enable_thinking", "turns", "on_length", "length_retry_max_new_tokens", "model_name"]
-    return stage_settings("generate", keys=keys, **generation_backend_settings(), **TRUST)
-
-
-def generation_runtime_settings():
-    """Knobs that change how a generation job runs, never what it writes (progress, timeouts, retries, journal
-    flushing and mirror, the running servers, the hf backend's CPU threads). Not a param, so changing one reruns nothing: the rules pass them
-    through the environment (DFLASH_GENERATE_RUNTIME, set here, so every Snakemake process that runs a job has
-    it) as `--runtime-settings "$DFLASH_GENERATE_RUNTIME"`."""
-    mirror = GEN.get("journal_mirror") or ""
-    prefix = str(getattr(workflow.storage_settings, "default_storage_prefix", None) or "")
-    if not mirror and prefix.startswith("s3://"):
-        mirror = f"{prefix.rstrip('/')}/{R}/completions/journal"  # outputs on S3: journals follow them
-    names = dict(max_retries="max_retries", empty_retries="empty_retries", retry_failed="retry_failed")
-    names.update(flush_every="journal_flush_every", progress_interval="progress_interval_s")
-    names.update(request_timeout="request_timeout_s", all_down_timeout="all_down_timeout_s")
-    runtime = {option: GEN[key] for option, key in names.items() if GEN.get(key) is not None}
-    runtime["journal_mirror"] = mirror
-    if GEN["backend"] == "hf" and GEN_HF.get("threads"):
-        runtime["threads"] = GEN_HF["threads"]
-    if GEN["backend"] == "servers":
-        runtime["servers"] = GEN["servers"]
-    return runtime
-
-
-def runtime_settings(section):
-    return {k: config[section][k] for k in RUNTIME_ONLY[section] if config[section].get(k) is not None}
 
 
 # set (not read) here, in every Snakemake process that parses the workflow, so the jobs it starts inherit them
 os.environ.update(
-    DFLASH_GENERATE_RUNTIME=json.dumps(generation_runtime_settings(), sort_keys=True),
-    DFLASH_TRAIN_RUNTIME=json.dumps(runtime_settings("train"), sort_keys=True),
-    DFLASH_EVALUATE_RUNTIME=json.dumps(runtime_settings("evaluate"), sort_keys=True),
+    DFLASH_GENERATE_RUNTIME=json.dumps(PARAMS.generate_runtime(), sort_keys=True),
+    DFLASH_TRAIN_RUNTIME=json.dumps(PARAMS.runtime("train"), sort_keys=True),
+    DFLASH_EVALUATE_RUNTIME=json.dumps(PARAMS.runtime("evaluate"), sort_keys=True),
+    # calibrate-rates reads the run's whole train settings from here, as the runtime settings are read
+    DFLASH_RATES_TRAIN_SETTINGS=PARAMS.train(),
 )
-
-
-def generation_gates(wildcards):
-    return after(checkpoints.gate, dataset="source") + after(checkpoints.generation_gate)
-
-
-def settled(wildcards):
-    """Every verdict upstream of a job after generation, in order, waited for. Snakemake keeps the reason it
-    gave a job while something upstream was pending; only the jobs that asked a checkpoint are re-evaluated
-    when it has run. So every job downstream of a verdict asks for it too, not only the first one."""
-    verdicts = generation_gates(wildcards) if GEN["enabled"] else []
-    return verdicts + after(checkpoints.gate, dataset=training_dataset()) + after(checkpoints.plan)
-
-
-def regenerated_settled(wildcards):
-    """settled() for the jobs between generation and its gate (the regenerated dataset's tokenize, audit)."""
-    return generation_gates(wildcards) if wildcards.dataset == "regenerated" else []
-
-
-def generation_calibration(wildcards):
-    """The calibration a generation job compares its live rate with. ancient(), and only once the generation
-    gate has run: a recalibration reruns the plan and that gate first, so its producer never reruns behind it."""
-    checkpoints.generation_gate.get()
-    return ancient(CALIBRATION)
 
 
 GEN_SETTINGS = generate_settings() if GEN["enabled"] else "{}"
@@ -432,43 +315,14 @@ def generation_group_members(gengroup):
 
 # ------------------------------------------------------------------ generation calibration
 
-CALIBRATE = GEN.get("calibrate") or {}
+CALIBRATE = GEN["calibrate"]
 CALIBRATION = os.path.join(R, "calibration/generation.json")
 CALIBRATION_SAMPLE = os.path.join(R, "calibration/sample.parquet")
 GENERATION_GATE = os.path.join(R, "calibration/gate.ok")
 
 
-@contextlib.contextmanager
-def storage_copy(f):
-    """A local path to read a file that may live in storage (--default-storage-provider), or None when it does
-    not exist. Snakemake retrieves a job's inputs, not what an input function or a param reads: a storage
-    object is downloaded here to a private temporary file, never to its local copy's path, which belongs to
-    the job that writes it (the DAG is re-evaluated while jobs run) and would go stale if left behind."""
-    obj = getattr(f, "storage_object", None)
-    if obj is None:
-        yield str(f) if os.path.exists(f) else None
-        return
-    local = str(obj.local_path())
-    if os.path.exists(local):  # a job of this run wrote or retrieved it: the current version
-        yield local
-        return
-    if not obj.exists():
-        yield None
-        return
-    with tempfile.TemporaryDirectory(prefix="dflash-storage-") as tmp:
-        copy = os.path.join(tmp, os.path.basename(local))
-        download = getattr(obj, "s3obj", None)  # the S3 plugin's object: download anywhere
-        if download is not None:
-            download().download_file(copy)
-        else:  # other plugins only retrieve to the local path: move it out at once
-            os.makedirs(os.path.dirname(local), exist_ok=True)
-            obj.retrieve_object()
-            shutil.move(local, copy)
-        yield copy
-
-
 def calibration_sample_settings():
-    return {k: CALIBRATE.get(k, v) for k, v in (("samples", 256), ("warmup_requests", 8), ("seed", 0))}
+    return {k: CALIBRATE[k] for k in ("samples", "warmup_requests", "seed")}
 
 
 def calibration_shards():
@@ -511,14 +365,6 @@ def calibration_sample_identity(wildcards):
         return sample_identity(path)
 
 
-def calibration_settings():
-    """What decides the measured rate, as `calibrate --settings`: backend, target and sampling. These are the
-    calibrate rule's params, so nothing else (limits, progress, retries, resources) recalibrates."""
-    keys = ["backend", "api", "max_in_flight", "max_new_tokens", "temperature", "top_p", "top_k", "seed"]
-    keys += ["enable_thinking", "turns", "on_length", "length_retry_max_new_tokens", "model_name"]
-    return stage_settings("generate", keys=keys, **generation_backend_settings(), **TRUST)
-
-
 def generation_limits():
     limits = {"--max-wall-hours": GEN.get("max_wall_hours"), "--max-gpu-hours": GEN.get("max_gpu_hours")}
     return " ".join(f"{flag} {value}" for flag, value in limits.items() if value is not None)
@@ -534,18 +380,6 @@ def plan_calibration():
 EXTRACT = config["extract"]
 
 
-def extract_settings():
-    """The extract rule's --settings (calibrate-rates measures with the same)."""
-    return stage_settings(
-        "extract",
-        # encode_threads is the rule's threads (not a param: how many threads write it changes no byte);
-        # shards_per_job is the group (its members are the inputs)
-        drop=("assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "encode_threads", "shards_per_job"),
-        drafter_config=drafter_layers_json(),
-        **TRUST,
-    )
-
-
 RATES = os.path.join(R, "calibration/rates.json")
 
 
@@ -557,7 +391,7 @@ def plan_rates():
 def rates_token_files(wildcards):
     """The first cost.calibrate_rates_shards source token shards (by name): enough tokens to measure, and a raw
     file added later (sorted after them) recalibrates nothing."""
-    shards = sorted(shard_ids())[: config["cost"].get("calibrate_rates_shards", 4)]
+    shards = sorted(shard_ids())[: config["cost"]["calibrate_rates_shards"]]
     return expand(os.path.join(R, "tokens/source/{shard}.parquet"), shard=shards)
 
 
@@ -571,33 +405,6 @@ def extraction_group_members(exgroup):
     return [s for s in shard_ids() if extraction_group_of(s) == exgroup]
 
 
-# what the plan and the cost preview read of the config
-# what the plan and the preview read of each section (planning/plan.py, projection.py), and only that: a
-# learning rate, a progress interval or a timeout changes no projection, so it reruns no plan (nor the
-# generation gate behind it)
-PLAN_KEYS = {
-    "generate": ("enabled", "max_new_tokens", "parallel_jobs", "gpus", "shards_per_job", "assumed"),
-    "tokenize": ("max_length",),
-    "extract": ("codec", "assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "shards_per_job"),
-    "drafter": ("num_layers", "target_layer_ids"),
-    "train": ("epochs", "mode", "num_anchors", "max_length"),
-    "cost": ("gpu_hour_usd",),
-}
-PLAN_CONFIG = json.dumps(
-    {name: {k: (config.get(name) or {}).get(k) for k in keys} for name, keys in PLAN_KEYS.items()},
-    sort_keys=True,
-    default=str,
-)
-
-
-def drafter_layers_json():
-    """Only what decides the target layers: the drafter's num_layers / target_layer_ids (training owns them)."""
-    d = config.get("drafter") or {}
-    return json.dumps({k: d[k] for k in ("num_layers", "target_layer_ids") if d.get(k) is not None}, sort_keys=True)
-
-
-from dflash_pipeline.cluster.launch_torchrun import train_resources
-
 TRAIN = config["train"]
 DRAFTER = config["drafter"]
 
@@ -606,66 +413,6 @@ def train_inputs(wildcards):
     if TRAIN["mode"] == "offline":
         return expand(os.path.join(R, "hidden/{shard}.dfhs"), shard=shard_ids())
     return expand(os.path.join(R, "tokens", training_dataset(), "{shard}.parquet"), shard=shard_ids())
-
-
-def train_verdicts(wildcards):
-    return settled(wildcards)
-
-
-def train_settings():
-    """train: (minus resources) + the drafter's shape + the evaluation holdout, as one JSON."""
-    drafter = {k: DRAFTER[k] for k in ("num_layers", "block_size", "mask_token_id") if DRAFTER.get(k) is not None}
-    if DRAFTER.get("target_layer_ids"):
-        drafter["target_layer_ids"] = ",".join(str(i) for i in DRAFTER["target_layer_ids"])
-    # checkpoints are not an output: on S3 storage (Kubernetes, no shared disk) mirror them, so a job that
-    # restarts on another machine resumes instead of starting over
-    mirror = TRAIN.get("checkpoint_mirror") or ""
-    prefix = str(getattr(workflow.storage_settings, "default_storage_prefix", None) or "")
-    if not mirror and prefix.startswith("s3://"):
-        mirror = f"{prefix.rstrip('/')}/{R}/train/checkpoints"
-    return stage_settings(
-        "train",
-        drop=("checkpoint_mirror",),
-        **drafter,
-        checkpoint_mirror=mirror,
-        holdout_fraction=config["evaluate"]["holdout_fraction"],
-        **TRUST,
-    )
-
-
-# What decides training's speed, not its outcome: calibrate-rates' params (a new learning rate measures nothing
-# again). The run's whole train settings reach it through the environment, as the runtime settings do.
-TRAIN_RATE_KEYS = (
-    "mode",
-    "num_anchors",
-    "max_length",
-    "batch_size",
-    "grad_accum",
-    "attention",
-    "compile",
-    "head_chunk",
-    "layout",
-    "num_layers",
-    "block_size",
-    "target_layer_ids",
-)
-os.environ.update(DFLASH_RATES_TRAIN_SETTINGS=train_settings())
-
-
-def rates_settings():
-    """calibrate-rates' one param: the extract settings, the speed-deciding train settings and its own."""
-    train = json.loads(train_settings())
-    cost = config["cost"]
-    return json.dumps(
-        {
-            "extract": json.loads(extract_settings()),
-            "shards_per_job": EXTRACT["shards_per_job"],
-            "train": {k: train.get(k) for k in TRAIN_RATE_KEYS},
-            "tokens": cost.get("calibrate_rates_tokens", 131072),
-            "train_steps": cost.get("calibrate_rates_train_steps", 8),
-        },
-        sort_keys=True,
-    )
 
 
 EVAL = config["evaluate"]
@@ -704,34 +451,23 @@ def backend_ready(wildcards):
     return []
 
 
-def _known_resources(resources):
-    """{name: value} of resources before a job exists (one computed per job, or given as an expression on the
-    command line or in a profile, by its text)."""
-    return {name: res.raw if res.is_evaluable() else res.value for name, res in resources.items()}
-
-
 def run_preflight():
-    """Seconds of checks before any job (README: "Before the first run"): the target directory, the generation
-    backend, the inputs' reachability and every GPU rule's resources on this invocation's executor. Called by
-    the Snakefile once every rule exists; jobs on a cluster (remote mode) were checked when they were submitted."""
+    """Seconds of checks before any job (README: "Before the first run"; planning/preflight.py), every mistake
+    in one run: the config's paths, the target, the inputs, the resources. Called by the Snakefile once every
+    rule exists; jobs on a cluster (remote mode) were checked when they were submitted."""
     if workflow.remote_exec or workflow.subprocess_exec:
         return
-    executor = preflight.executor_name(sys.argv[1:], os.environ)
-    storage_provider = workflow.storage_settings.default_storage_provider
-    problems = list(CONFIG_PATH_PROBLEMS)  # every mistake in one run: the config's paths, target, inputs, resources
-    if not DEMO_BUILDS_TARGET and executor != "kubernetes" and TARGET_RESOLVED:  # a pod's model lives in its image
-        problems += preflight.target_problems(TARGET_SOURCE)  # pkg:// resolved
-    remote = (
-        f"{storage_provider} {workflow.storage_settings.default_storage_prefix or ''}" if storage_provider else None
+    target = TARGET_SOURCE if not DEMO_BUILDS_TARGET and TARGET_RESOLVED else None  # pkg:// resolved
+    problems = CONFIG_PATH_PROBLEMS + preflight.workflow_problems(
+        workflow,
+        config,
+        results=R,
+        inputs=RAW_INPUTS,
+        built_inputs=set(demo_data_files()),
+        target=target,
+        argv=sys.argv[1:],
+        env=os.environ,
+        cwd=os.getcwd(),
     )
-    problems += preflight.input_problems(RAW_INPUTS, set(demo_data_files()), remote, results=R)
-    if not storage_provider:  # a results directory belongs to one working directory (its .snakemake records)
-        problems += [p for p in [preflight.results_owner_problem(R, os.getcwd(), claim=not workflow.dryrun)] if p]
-    rules_resources = {r.name: _known_resources(r.resources) for r in workflow.rules}
-    overrides = {
-        name: _known_resources(Resources.from_mapping(m))
-        for name, m in workflow.resource_settings.overwrite_resources.items()
-    }
-    problems += preflight.resource_problems(rules_resources, overrides, config, executor, f"executor {executor}")
     if problems:
         raise WorkflowError("preflight: " + "\npreflight: ".join(problems))

@@ -29,6 +29,6 @@ if config["demo"]["enabled"]:
             ENV_CPU
         params:
             out_dir=lambda wc, output: os.path.dirname(output[0]),
-            pretrain_steps=config["demo"].get("target_pretrain_steps", 0),
+            pretrain_steps=config["demo"]["target_pretrain_steps"],
         shell:
             "dflash-pipeline tiny-model --out {params.out_dir:q} --pretrain-steps {params.pretrain_steps} > {log:q} 2>&1"

@@ -16,6 +16,6 @@ if TARGET_IS_GGUF and not config["demo"]["enabled"]:
             ENV_CPU
         params:
             out_dir=lambda wc, output: os.path.dirname(output[0]),
-            dtype=config["target"].get("gguf_dtype", "float32"),
+            dtype=config["target"]["gguf_dtype"],
         shell:
             "dflash-pipeline target-import --gguf {input:q} --out {params.out_dir:q} --dtype {params.dtype} > {log:q} 2>&1"

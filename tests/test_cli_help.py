@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import run_cli
 
-from dflash_pipeline.cli import schema_defaults
+from dflash_pipeline.settings import defaults as schema_defaults
 
 
 @pytest.mark.parametrize("stage, section, keys", [

@@ -19,9 +19,8 @@ import yaml
 
 from conftest import REPO, require_packages
 from dflash_pipeline.cli import STAGES, apply_settings
+from dflash_pipeline.settings import SCHEMA_PATH as SCHEMA
 from workflow_runs import make_workdir, planned, snakemake
-
-SCHEMA = REPO / "rules" / "schemas" / "config.schema.yaml"
 
 
 def merged(*names: str) -> dict:
@@ -178,7 +177,7 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
             stage = STAGES[stage_name]
             parser = argparse.ArgumentParser()
             getattr(importlib.import_module(stage.module), stage.add_arguments)(parser)
-            apply_settings(parser, settings, stage.section, stage_name)  # raises on an unknown key
+            apply_settings(parser, stage_name, settings)  # raises on an unknown key
             seen[stage_name] = json.loads(settings)
     assert {"tokenize", "extract", "train", "export", "evaluate"} <= set(seen), sorted(seen)
     assert seen["extract"]["token_budget"] == 16384
@@ -208,7 +207,7 @@ def test_recipe_variants_are_valid_train_settings():
         jsonschema.validate(cfg, schema)
         parser = argparse.ArgumentParser()
         getattr(importlib.import_module(stage.module), stage.add_arguments)(parser)
-        apply_settings(parser, json.dumps(v["train"]), stage.section, "train")  # raises on an unknown key
+        apply_settings(parser, "train", json.dumps(v["train"]))  # raises on an unknown key
     assert len({json.dumps(v["train"], sort_keys=True) for v in variants}) == len(variants)
     bad = merged("config.yaml")
     bad["train"]["loss_weighting"] = "dpase"

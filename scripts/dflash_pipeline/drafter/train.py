@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import typing
 import logging
 import math
 import random
@@ -47,8 +48,9 @@ from dflash_pipeline.drafter.steps import Prefetcher, StepData
 from dflash_pipeline.drafter.target_head import load_target_head, resolve_mask_token_id
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.progress import Progress
+from dflash_pipeline.settings import typed
 from dflash_pipeline.target import read_config, text_config
-from dflash_pipeline.target_layers import default_target_layer_ids, validate_target_layer_ids
+from dflash_pipeline.target_layers import resolve_target_layer_ids
 from dflash_pipeline.write_checks import check_output_dirs, named_write_errors
 
 log = logging.getLogger("dflash_pipeline.drafter.train")
@@ -60,58 +62,58 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target model directory (embedding, LM head, config; online: all)")
     p.add_argument("--out", required=True, help="output directory (written atomically at the end)")
     p.add_argument("--checkpoint-dir", required=True, help="resumable checkpoints and the live metrics log")
-    p.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers")
-    p.add_argument("--target-layer-ids", default=None, help="comma-separated; default: spread over the target")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-layers", type=int, help="drafter decoder layers")
+    p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: spread over the target")
+    p.add_argument("--block-size", type=int)
     p.add_argument("--mask-token-id", type=int, default=None)
-    p.add_argument("--num-anchors", type=int, default=512, help="blocks per sequence (at most)")
-    p.add_argument("--gamma", type=float, default=7.0, help="loss decay: w_k = exp(-(k-1)/gamma)")
-    p.add_argument("--loss-weighting", choices=list(WEIGHTINGS), default="decay",
+    p.add_argument("--num-anchors", type=int, help="blocks per sequence (at most)")
+    p.add_argument("--gamma", type=float, help="loss decay: w_k = exp(-(k-1)/gamma)")
+    p.add_argument("--loss-weighting", choices=list(WEIGHTINGS),
                    help="per block position: decay (exp(-(k-1)/gamma)), dpace (decay x D-PACE), none (see loss.py)")
-    p.add_argument("--dpace-alpha", type=float, default=0.5, help="D-PACE smoothing: s = (1 - alpha) q + alpha")
-    p.add_argument("--max-length", type=int, default=3072)
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch per rank")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--epochs", type=float, default=6)
-    p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: epochs)")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--warmup-ratio", type=float, default=0.04)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--adam-beta1", type=float, default=0.9)
-    p.add_argument("--adam-beta2", type=float, default=0.95)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=500)
-    p.add_argument("--keep-checkpoints", type=int, default=2)
-    p.add_argument("--checkpoint-mirror", default="",
+    p.add_argument("--dpace-alpha", type=float, help="D-PACE smoothing: s = (1 - alpha) q + alpha")
+    p.add_argument("--max-length", type=int)
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch per rank")
+    p.add_argument("--grad-accum", type=int)
+    p.add_argument("--epochs", type=float)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (0: epochs)")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup-ratio", type=float)
+    p.add_argument("--weight-decay", type=float)
+    p.add_argument("--adam-beta1", type=float)
+    p.add_argument("--adam-beta2", type=float)
+    p.add_argument("--grad-clip", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--keep-checkpoints", type=int)
+    p.add_argument("--checkpoint-mirror",
                    help="s3://bucket/prefix: upload checkpoints there and resume from there on a new machine")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--labels", choices=["data", "target"], default="data",
+    p.add_argument("--log-every", type=int)
+    p.add_argument("--labels", choices=["data", "target"],
                    help="data: the sequence's own next tokens (the recipe); target (online only): the target's "
                         "greedy prediction at each position, for data that is not the target's own output")
-    p.add_argument("--holdout-fraction", type=float, default=0.0, help="sample ids kept for evaluation")
-    p.add_argument("--acceptance-every", type=int, default=50,
+    p.add_argument("--holdout-fraction", type=float, help="sample ids kept for evaluation")
+    p.add_argument("--acceptance-every", type=int,
                    help="every N steps (and at the end) the simulated acceptance on held-out samples (0: never)")
-    p.add_argument("--acceptance-samples", type=int, default=32, help="held-out samples it uses")
-    p.add_argument("--acceptance-patience", type=int, default=3,
+    p.add_argument("--acceptance-samples", type=int, help="held-out samples it uses")
+    p.add_argument("--acceptance-patience", type=int,
                    help="measurements without a gain after which the run says acceptance stopped improving")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--attention", choices=["auto", "sdpa", "flex", "split"], default="auto",
+    p.add_argument("--attention", choices=["auto", "sdpa", "flex", "split"],
                    help="auto: flex attention (block-sparse) on GPU, dense-mask SDPA on CPU; split: context "
                         "(flex on GPU) and own-block attention apart, merged by log-sum-exp")
-    p.add_argument("--compile", action="store_true", help="torch.compile the drafter layers (GPU)")
-    p.add_argument("--head-chunk", type=int, default=2048,
+    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the drafter layers (GPU)")
+    p.add_argument("--head-chunk", type=int,
                    help="scored block tokens per LM-head/CE chunk (0: all logits at once; head_loss.py)")
-    p.add_argument("--layout", choices=["auto", "packed", "padded"], default="auto",
+    p.add_argument("--layout", choices=["auto", "packed", "padded"],
                    help="packed: a micro-batch's samples end to end in one row, only real blocks computed; padded: "
                         "one row per sample (on GPU padded to --num-anchors blocks). auto: packed on GPU offline "
                         "with --compile")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="bf16 TFLOP/s the logged MFU is set against (0: the measured rate of a known GPU, "
                         "H200 790; none on CPU)")
-    p.add_argument("--cpu-threads", type=int, default=1,
+    p.add_argument("--cpu-threads", type=int,
                    help="torch threads on CPU (1: tiny models run far faster without OpenMP spinning on shared cores)")
-    p.add_argument("--trust-remote-code", action="store_true",
+    p.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="let transformers run the target's own model/tokenizer code (target.trust_remote_code)")
 
 
@@ -126,21 +128,21 @@ def lr_lambda_factory(total_steps: int, warmup_steps: int):
     return fn
 
 
-def recipe_settings(args) -> dict:
+def recipe_settings(s) -> dict:
     """The recipe choices beyond the paper's (benchmarks/recipe_variants.json measures them)."""
-    return {"loss_weighting": args.loss_weighting, "dpace_alpha": args.dpace_alpha,
-            "adam_betas": [args.adam_beta1, args.adam_beta2], "warmup_ratio": args.warmup_ratio,
-            "weight_decay": args.weight_decay}
+    return {"loss_weighting": s.loss_weighting, "dpace_alpha": s.dpace_alpha,
+            "adam_betas": [s.adam_beta1, s.adam_beta2], "warmup_ratio": s.warmup_ratio,
+            "weight_decay": s.weight_decay}
 
 
-def run_fingerprint(args, dcfg: DrafterConfig, total_steps: int, global_batch: int, source) -> dict:
+def run_fingerprint(s, dcfg: DrafterConfig, total_steps: int, global_batch: int, source) -> dict:
     """What a checkpoint must match to be resumed from: settings that change the weights, and the data."""
     return {
-        "drafter": dcfg.to_dict(), "seed": args.seed, "lr": args.lr, "total_steps": total_steps,
-        "global_batch": global_batch, "samples": len(source), "gamma": args.gamma, "num_anchors": args.num_anchors,
-        "max_length": args.max_length, "mode": args.mode, "labels": args.labels,
-        "recipe": recipe_settings(args),
-        "holdout_fraction": args.holdout_fraction, "data": source.identity(),
+        "drafter": dcfg.to_dict(), "seed": s.seed, "lr": s.lr, "total_steps": total_steps,
+        "global_batch": global_batch, "samples": len(source), "gamma": s.gamma, "num_anchors": s.num_anchors,
+        "max_length": s.max_length, "mode": s.mode, "labels": s.labels,
+        "recipe": recipe_settings(s),
+        "holdout_fraction": s.holdout_fraction, "data": source.identity(),
     }
 
 
@@ -149,11 +151,28 @@ def run_fingerprint(args, dcfg: DrafterConfig, total_steps: int, global_batch: i
 # ---------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TrainJob:
+    """What one train job reads and writes, and where it runs: the options that are not config settings."""
+
+    inputs: list[str]
+    model: str
+    out: str
+    checkpoint_dir: str
+    device: str = "auto"
+    peak_tflops: float = 0.0
+
+    @classmethod
+    def from_args(cls, args) -> "TrainJob":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
 @dataclass
 class TrainingRun:
     """Everything one training run holds, built by `setup_run`."""
 
-    args: argparse.Namespace
+    settings: typing.Any  # the stage's typed settings (settings.typed.for_stage("train", ...))
+    job: TrainJob
     dist: Dist
     dcfg: DrafterConfig
     head: torch.nn.Module
@@ -178,29 +197,27 @@ class TrainingRun:
         return self.dist.device.type == "cuda"
 
 
-def _drafter_config(args, dev: torch.device):
+def _drafter_config(s, job: TrainJob, dev: torch.device):
     """The drafter's config (target shapes, layer ids, mask token) and the target's frozen embedding/head."""
-    tcfg = read_config(args.model)
+    tcfg = read_config(job.model)
     n_target = int(text_config(tcfg)["num_hidden_layers"])
-    if args.target_layer_ids:
-        layer_ids = validate_target_layer_ids(str(args.target_layer_ids).split(","), n_target)
-    else:
-        layer_ids = default_target_layer_ids(n_target, args.num_layers)
-    head = load_target_head(args.model, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).to(dev)
-    mask_id = resolve_mask_token_id(args.model, args.mask_token_id, head.vocab_rows, args.trust_remote_code)
+    # the same resolver as extract's and the plan's: explicit ids, else spread for num_layers
+    layer_ids = resolve_target_layer_ids({"target_layer_ids": s.target_layer_ids, "num_layers": s.num_layers}, n_target)
+    head = load_target_head(job.model, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).to(dev)
+    mask_id = resolve_mask_token_id(job.model, s.mask_token_id, head.vocab_rows, s.trust_remote_code)
     head.check_mask_token(mask_id)
-    dcfg = DrafterConfig.from_target(tcfg, args.num_layers, layer_ids, args.block_size, mask_id, head.vocab_rows)
+    dcfg = DrafterConfig.from_target(tcfg, s.num_layers, layer_ids, s.block_size, mask_id, head.vocab_rows)
     return dcfg, head
 
 
-def _open_source(args, dcfg: DrafterConfig, keep: str = "train"):
-    if args.mode == "offline":
-        source = HiddenSource(args.inputs, dcfg.target_layer_ids, args.holdout_fraction, args.max_length, keep)
+def _open_source(s, job: TrainJob, dcfg: DrafterConfig, keep: str = "train"):
+    if s.mode == "offline":
+        source = HiddenSource(job.inputs, dcfg.target_layer_ids, s.holdout_fraction, s.max_length, keep)
         if source.hidden_size and source.hidden_size != dcfg.hidden_size:
             raise PipelineError(f"hidden-state shards have hidden size {source.hidden_size}, the target "
                                 f"{dcfg.hidden_size}: were they extracted from another model?")
     else:
-        source = TokenSource(args.inputs, args.holdout_fraction, args.max_length, keep=keep)
+        source = TokenSource(job.inputs, s.holdout_fraction, s.max_length, keep=keep)
     if keep == "holdout":
         return source
     if len(source) == 0:
@@ -208,23 +225,23 @@ def _open_source(args, dcfg: DrafterConfig, keep: str = "train"):
     return source
 
 
-def _online_target(args, dev: torch.device):
+def _online_target(s, job: TrainJob, dev: torch.device):
     """online mode: the target itself, frozen, beside the drafter (it computes the features)."""
-    if args.mode != "online":
+    if s.mode != "online":
         return None
     from dflash_pipeline.target import load_model
 
-    target = load_model(args.model, device=str(dev), dtype="bfloat16" if dev.type == "cuda" else "float32",
-                        trust_remote_code=args.trust_remote_code)
+    target = load_model(job.model, device=str(dev), dtype="bfloat16" if dev.type == "cuda" else "float32",
+                        trust_remote_code=s.trust_remote_code)
     return target.requires_grad_(False)
 
 
 # what decides the shapes the compiled layers see (not the step count, the inputs or the output paths)
-SHAPE_ARGS = ("attention", "batch_size", "num_anchors", "max_length", "head_chunk", "loss_weighting", "labels",
-              "layout")
+SHAPE_SETTINGS = ("attention", "batch_size", "num_anchors", "max_length", "head_chunk", "loss_weighting", "labels",
+                  "layout", "mode")
 
 
-def _wrap_for_training(args, drafter: DFlashDrafter, dist_: Dist) -> torch.nn.Module:
+def _wrap_for_training(s, drafter: DFlashDrafter, dist_: Dist) -> torch.nn.Module:
     gpu = dist_.device.type == "cuda"
     if gpu:  # one compiled kernel per padded shape (max_length / 256 buckets): allow that many recompiles
         import torch._dynamo as dynamo  # (a plain `import torch._dynamo` would make `torch` local here)
@@ -232,10 +249,10 @@ def _wrap_for_training(args, drafter: DFlashDrafter, dist_: Dist) -> torch.nn.Mo
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(dynamo.config, name):
                 setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
-    if args.compile and gpu:
+    if s.compile and gpu:
         # calibrate-rates' steps and this job share the name: the job compiles the dynamic graphs at once, cached
-        name_compiled_workload("train", {"drafter": dataclasses.asdict(drafter.config), "mode": args.mode,
-                                         **{k: getattr(args, k, None) for k in SHAPE_ARGS}})
+        name_compiled_workload("train", {"drafter": dataclasses.asdict(drafter.config),
+                                         **{k: getattr(s, k, None) for k in SHAPE_SETTINGS}})
         for layer in drafter.layers:
             layer.compile()
     if dist_.world == 1:
@@ -245,41 +262,41 @@ def _wrap_for_training(args, drafter: DFlashDrafter, dist_: Dist) -> torch.nn.Mo
     return DistributedDataParallel(drafter, device_ids=[dist_.device.index] if gpu else None)
 
 
-def packed_layout(args, dev: torch.device) -> bool:
+def packed_layout(s, dev: torch.device) -> bool:
     """Pack a micro-batch's samples into one row? auto: on GPU, offline, with --compile (online, the target
     computes the features of a padded batch; on CPU the dense SDPA mask of a packed row grows with its square;
     without compile, flex attention is compiled per static shape and a packed row has a new one every step)."""
-    layout = getattr(args, "layout", "auto")
-    if layout == "packed" and args.mode == "online":
+    layout = s.layout
+    if layout == "packed" and s.mode == "online":
         raise PipelineError("--layout packed needs --mode offline (online features come from a padded batch)")
     gpu = dev.type == "cuda"
-    return layout == "packed" or (layout == "auto" and gpu and args.mode == "offline" and bool(args.compile))
+    return layout == "packed" or (layout == "auto" and gpu and s.mode == "offline" and bool(s.compile))
 
 
-def setup_run(args) -> TrainingRun:
-    dist_ = Dist(args.device)
+def setup_run(s, job: TrainJob) -> TrainingRun:
+    dist_ = Dist(job.device)
     dev = dist_.device
     if dev.type == "cpu":
-        torch.set_num_threads(max(1, args.cpu_threads))
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    dcfg, head = _drafter_config(args, dev)
-    source = _open_source(args, dcfg)
-    steps = StepData(source, seed=args.seed, batch_size=args.batch_size, grad_accum=args.grad_accum,
-                     num_anchors=args.num_anchors, rank=dist_.rank, world=dist_.world, vocab_rows=head.vocab_rows)
+        torch.set_num_threads(max(1, s.cpu_threads))
+    torch.manual_seed(s.seed)
+    random.seed(s.seed)
+    dcfg, head = _drafter_config(s, job, dev)
+    source = _open_source(s, job, dcfg)
+    steps = StepData(source, seed=s.seed, batch_size=s.batch_size, grad_accum=s.grad_accum,
+                     num_anchors=s.num_anchors, rank=dist_.rank, world=dist_.world, vocab_rows=head.vocab_rows)
     if steps.steps_per_epoch == 0:
         raise PipelineError(f"{len(source)} samples are fewer than one global batch of {steps.global_batch}")
-    total_steps = args.max_steps or max(1, int(round(args.epochs * steps.steps_per_epoch)))
-    torch.manual_seed(args.seed)
+    total_steps = s.max_steps or max(1, int(round(s.epochs * steps.steps_per_epoch)))
+    torch.manual_seed(s.seed)
     drafter = DFlashDrafter(dcfg).to(dev)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                            betas=(args.adam_beta1, args.adam_beta2), fused=dev.type == "cuda" or None)
-    warmup = int(math.ceil(args.warmup_ratio * total_steps))
+    opt = torch.optim.AdamW(drafter.parameters(), lr=s.lr, weight_decay=s.weight_decay,
+                            betas=(s.adam_beta1, s.adam_beta2), fused=dev.type == "cuda" or None)
+    warmup = int(math.ceil(s.warmup_ratio * total_steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_factory(total_steps, warmup))
-    attention = args.attention if args.attention != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
-    run = TrainingRun(args, dist_, dcfg, head, source, steps, total_steps, drafter,
-                      _wrap_for_training(args, drafter, dist_), opt, sched, _online_target(args, dev), attention,
-                      packed_layout(args, dev))
+    attention = s.attention if s.attention != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
+    run = TrainingRun(s, job, dist_, dcfg, head, source, steps, total_steps, drafter,
+                      _wrap_for_training(s, drafter, dist_), opt, sched, _online_target(s, job, dev), attention,
+                      packed_layout(s, dev))
     if dist_.main:
         log.info("drafter: %d layers, %.1fM trainable parameters, target layers %s, mask token %d, %s attention; "
                  "%d samples, %d steps (%d per epoch), global batch %d, world %d, device %s, %s layout",
@@ -309,18 +326,18 @@ def _features_and_labels(run: TrainingRun, batch):
     """Stored features (offline), or the target's (online), and the labels (None: the data's own tokens)."""
     if batch.features is not None:
         return batch.features, None
-    if run.args.labels == "target":
+    if run.settings.labels == "target":
         return target_features_and_predictions(run.target, batch.input_ids, batch.lengths, run.dcfg.target_layer_ids)
     return target_features(run.target, batch.input_ids, batch.lengths, run.dcfg.target_layer_ids), None
 
 
 def acceptance_monitor(run: TrainingRun) -> AcceptanceMonitor | None:
     """The held-out acceptance measurement (rank 0), or None when off or without held-out samples."""
-    args = run.args
-    if not run.dist.main or args.acceptance_every <= 0 or args.holdout_fraction <= 0:
+    s = run.settings
+    if not run.dist.main or s.acceptance_every <= 0 or s.holdout_fraction <= 0:
         return None
-    monitor = AcceptanceMonitor(_open_source(args, run.dcfg, keep="holdout"), args.acceptance_samples,
-                                args.batch_size, args.seed, args.acceptance_patience)
+    monitor = AcceptanceMonitor(_open_source(s, run.job, run.dcfg, keep="holdout"), s.acceptance_samples,
+                                s.batch_size, s.seed, s.acceptance_patience)
     if not monitor:
         log.info("no held-out samples with a block to score: acceptance is not measured while training")
         return None
@@ -350,7 +367,7 @@ def collate_micro(run: TrainingRun, micro) -> list:
             batch = collate_packed(samples, anchors, sample_multiple=run.pack_align)
         else:  # fixed padded shapes on GPU, so compiled kernels see few distinct shapes
             batch = collate(samples, anchors, pad_multiple=256 if run.gpu else 1,
-                            num_blocks=run.args.num_anchors if run.gpu else 0)
+                            num_blocks=run.settings.num_anchors if run.gpu else 0)
         counts = batch_counts(batch, run.dcfg.block_size)
         out.append((batch.pin_memory() if run.gpu else batch, counts))
     return out
@@ -367,15 +384,15 @@ def train_step(run: TrainingRun, micro, metrics: StepMetrics) -> torch.Tensor:
         feats, labels = _features_and_labels(run, batch)
         sync = run.model.no_sync() if ddp and m < len(micro) - 1 else contextlib.nullcontext()
         with sync, torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.gpu):
-            out = block_loss(drafter_call, run.head, batch, feats, run.args.gamma, attention=run.attention,
+            out = block_loss(drafter_call, run.head, batch, feats, run.settings.gamma, attention=run.attention,
                              compute_dtype=torch.bfloat16 if run.gpu else torch.float32, labels=labels,
-                             head_chunk=run.args.head_chunk, weighting=run.args.loss_weighting,
-                             dpace_alpha=run.args.dpace_alpha)
+                             head_chunk=run.settings.head_chunk, weighting=run.settings.loss_weighting,
+                             dpace_alpha=run.settings.dpace_alpha)
             (out.loss / len(micro)).backward()
         counts = dataclasses.replace(counts, scored=out.scored_tokens)
         metrics.add(out, counts.context, counts.positions, step_flops(run.dcfg, counts))
-    if run.args.grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), run.args.grad_clip)
+    if run.settings.grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), run.settings.grad_clip)
     else:
         grad_norm = torch.tensor(0.0)
     run.opt.step()
@@ -393,32 +410,37 @@ def write_outputs(run: TrainingRun, metrics_path, wall: float, start_step: int) 
     """drafter.safetensors, drafter_config.json, metrics.jsonl, summary.json, per_position.png: one rename."""
     from safetensors.torch import save_file
 
-    args = run.args
-    with storage.atomic_dir(args.out) as tmp:
+    s, job = run.settings, run.job
+    with storage.atomic_dir(job.out) as tmp:
         save_file(run.drafter.engine_state_dict(), str(tmp / "drafter.safetensors"))
         storage.write_json(tmp / "drafter_config.json", run.dcfg.to_dict())
         shutil.copyfile(metrics_path, tmp / "metrics.jsonl")
         records = read_records(metrics_path)
-        summary = summarize(records, run.dcfg, args, run.total_steps, len(run.source), wall, start_step)
+        summary = summarize(records, run.dcfg, s, run.total_steps, len(run.source), wall, start_step)
         storage.write_json(tmp / "summary.json", summary)
         plot_metrics(records, tmp / "per_position.png")
         make_readable(tmp)
-    log.info("drafter written to %s", args.out)
+    log.info("drafter written to %s", job.out)
 
 
 RESUME = "rerun: training resumes from its last complete checkpoint"
 
 
 def _run(args) -> int:
-    if args.labels == "target" and args.mode != "online":
+    return train(typed.for_stage("train", args), TrainJob.from_args(args))
+
+
+def train(s, job: TrainJob) -> int:
+    """One training run: `s` the typed train settings (config train: and drafter: keys), `job` its files."""
+    if s.labels == "target" and s.mode != "online":
         raise PipelineError("--labels target needs --mode online (the target's predictions are not in the shards)")
-    check_output_dirs("train", checkpoint_dir=args.checkpoint_dir, out=args.out)  # before any work, not after it
+    check_output_dirs("train", checkpoint_dir=job.checkpoint_dir, out=job.out)  # before any work, not after it
     # setup: shapes from the target, data, drafter, optimizer; resume from this run's newest valid checkpoint
-    run = setup_run(args)
-    fp = run_fingerprint(args, run.dcfg, run.total_steps, run.steps.global_batch, run.source)
-    store = CheckpointStore(args.checkpoint_dir, fp, args.keep_checkpoints, run.dist, args.checkpoint_mirror)
+    run = setup_run(s, job)
+    fp = run_fingerprint(s, run.dcfg, run.total_steps, run.steps.global_batch, run.source)
+    store = CheckpointStore(job.checkpoint_dir, fp, s.keep_checkpoints, run.dist, s.checkpoint_mirror)
     start_step = store.restore(run.drafter, run.opt, run.sched, run.device)
-    metrics = StepMetrics(run.dcfg.block_size, run.device, peak_flops(run.device, args.peak_tflops))
+    metrics = StepMetrics(run.dcfg.block_size, run.device, peak_flops(run.device, job.peak_tflops))
     monitor = acceptance_monitor(run)
     if monitor and store.metrics_path.exists():
         monitor.load_history(read_records(store.metrics_path))
@@ -439,8 +461,8 @@ def _run(args) -> int:
         if run.dist.main:
             progress.update()
         # log: statistics summed over ranks since the last logged step, and the held-out acceptance when due
-        accept = done == run.total_steps or (args.acceptance_every > 0 and done % args.acceptance_every == 0)
-        if done % args.log_every == 0 or done == run.total_steps or accept:
+        accept = done == run.total_steps or (s.acceptance_every > 0 and done % s.acceptance_every == 0)
+        if done % s.log_every == 0 or done == run.total_steps or accept:
             rec = metrics.record(run.dist, done, done / run.steps.steps_per_epoch, run.sched.get_last_lr()[0],
                                  grad_norm)
             if monitor and accept:
@@ -448,13 +470,13 @@ def _run(args) -> int:
             if run.dist.main:
                 append_record(store.metrics_path, rec, run.total_steps)
         # checkpoint: a killed run resumes here with exactly this state
-        if done % args.checkpoint_every == 0 or done == run.total_steps:
-            with named_write_errors("train", args.checkpoint_dir, RESUME):  # a full disk: one line, the path
+        if done % s.checkpoint_every == 0 or done == run.total_steps:
+            with named_write_errors("train", job.checkpoint_dir, RESUME):  # a full disk: one line, the path
                 store.save(done, run.drafter, run.opt, run.sched, run.device)
     # outputs: the last checkpoint is on S3 (if mirrored), then rank 0 writes the drafter directory
     store.finish()
     if run.dist.main:
-        with named_write_errors("train", args.out, RESUME):
+        with named_write_errors("train", job.out, RESUME):
             write_outputs(run, store.metrics_path, time.perf_counter() - t_start, start_step)
     run.dist.barrier()
     run.dist.close()

@@ -46,12 +46,12 @@ def _add_shard_arguments(io_) -> None:
     io_.add_argument("--journal-dir", help="where the per-shard journals live (default: OUT_DIR/journal)")
     io_.add_argument("--journal-mirror", help="s3:// prefix to mirror journals to (default when --out is on S3: "
                      "OUT_PREFIX/journal)")
-    io_.add_argument("--flush-every", type=int, default=32, help="journal: fsync after this many samples")
+    io_.add_argument("--flush-every", type=int, help="journal: fsync after this many samples")
     io_.add_argument("--flush-interval", type=float, default=2.0, help="journal: or after this many seconds")
     io_.add_argument("--mirror-interval", type=float, default=30.0, help="journal mirror: upload period (s)")
-    io_.add_argument("--no-retry-failed", dest="retry_failed", action="store_false",
+    io_.add_argument("--no-retry-failed", dest="retry_failed", action="store_false", default=None,
                      help="on a rerun, do not retry samples that failed for a transient reason")
-    io_.add_argument("--progress-interval", type=float, default=10.0, help="seconds between progress lines")
+    io_.add_argument("--progress-interval", type=float, help="seconds between progress lines")
     io_.add_argument("--calibration", help="the calibration's JSON (`dflash-pipeline calibrate`): progress lines and "
                      "summaries compare the live rate with it")
 
@@ -60,12 +60,12 @@ def _add_backend_arguments(be) -> None:
     be.add_argument("--backend", choices=["hf", "sglang", "servers"], required=True)
     be.add_argument("--model", help="target model directory (hf, sglang; api=generate renders with its tokenizer)")
     be.add_argument("--model-name", help="model identity recorded with each sample (default: from the server)")
-    be.add_argument("--servers", nargs="*", default=[], help="running endpoints (backend servers)")
-    be.add_argument("--api", choices=["chat", "generate"], default="chat",
+    be.add_argument("--servers", nargs="*", help="running endpoints (backend servers)")
+    be.add_argument("--api", choices=["chat", "generate"],
                     help="chat: /v1/chat/completions (reasoning parsed by the server); generate: /generate")
-    be.add_argument("--max-in-flight", type=int, default=64, help="requests in flight per server")
-    be.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
-    be.add_argument("--all-down-timeout", type=float, default=600.0,
+    be.add_argument("--max-in-flight", type=int, help="requests in flight per server")
+    be.add_argument("--request-timeout", type=float, help="seconds per request")
+    be.add_argument("--all-down-timeout", type=float,
                     help="stop the run when every server has been down this long (s); also how long the start "
                          "waits for a healthy server (backend servers)")
     be.add_argument("--revive-after", type=float, default=5.0,
@@ -73,43 +73,43 @@ def _add_backend_arguments(be) -> None:
     be.add_argument("--sglang-json", default="{}", help="config generate.sglang as JSON (launch flags)")
     be.add_argument("--server-log-dir", help="sglang backend: server logs go here")
     be.add_argument("--devices", help="sglang backend: GPU ids to use (default: CUDA_VISIBLE_DEVICES)")
-    be.add_argument("--batch-size", type=int, default=32, help="hf backend: generate batch size")
-    be.add_argument("--device", default="cpu", help="hf backend: torch device")
-    be.add_argument("--threads", type=int, default=0, help="hf backend: torch CPU threads (0: torch's default)")
-    be.add_argument("--max-batch-tokens", type=int, default=0,
+    be.add_argument("--batch-size", type=int, help="hf backend: generate batch size")
+    be.add_argument("--device", help="hf backend: torch device")
+    be.add_argument("--threads", type=int, help="hf backend: torch CPU threads (0: torch's default)")
+    be.add_argument("--max-batch-tokens", type=int,
                     help="hf backend: rows x (longest prompt + budget) per generate call (0: no limit)")
-    be.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
+    be.add_argument("--cache", choices=["dynamic", "static"],
                     help="hf backend: transformers' KV cache (static: its generate compiles the decode step on a GPU)")
-    be.add_argument("--engine", choices=["auto", "slots", "generate"], default="auto",
+    be.add_argument("--engine", choices=["auto", "slots", "generate"],
                     help="hf backend: slots (static KV cache, CUDA-graph step, finished rows refilled), generate "
                          "(transformers' generate on length-sorted batches); auto: slots on a GPU, generate on CPU")
-    be.add_argument("--slot-width", type=int, default=0,
+    be.add_argument("--slot-width", type=int,
                     help="hf slots: KV cache columns per slot (0: room for max_new_tokens and a 640-token prompt)")
-    be.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    be.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
     be.add_argument("--context-length", type=int,
                     help="prompt + answer limit (default: the servers' max_model_len, or the model's config)")
-    be.add_argument("--trust-remote-code", action="store_true")
+    be.add_argument("--trust-remote-code", action="store_true", default=None)
 
 
 def _add_sampling_arguments(sp) -> None:
-    sp.add_argument("--max-new-tokens", type=int, default=2048)
-    sp.add_argument("--temperature", type=float, default=0.6)
-    sp.add_argument("--top-p", type=float, default=0.95)
-    sp.add_argument("--top-k", type=int, default=20)
+    sp.add_argument("--max-new-tokens", type=int)
+    sp.add_argument("--temperature", type=float)
+    sp.add_argument("--top-p", type=float)
+    sp.add_argument("--top-k", type=int)
     sp.add_argument("--seed", type=int, help="base seed; every sample's requests carry a seed derived from it "
                                              "and the sample id (default 0)")
-    sp.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=True)
-    sp.add_argument("--turns", choices=["first", "all"], default="first",
+    sp.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None)
+    sp.add_argument("--turns", choices=["first", "all"],
                     help="first: answer the first user turn only; all: every assistant turn, in order, "
                          "conditioned on the model's own earlier answers")
-    sp.add_argument("--on-length", choices=["keep", "drop", "retry"], default="keep",
+    sp.add_argument("--on-length", choices=["keep", "drop", "retry"],
                     help="what to do with an answer cut at max_new_tokens (finish_reason=length)")
-    sp.add_argument("--length-retry-max-new-tokens", type=int, default=0,
+    sp.add_argument("--length-retry-max-new-tokens", type=int,
                     help="on_length=retry: the larger budget of the one retry (then dropped)")
-    sp.add_argument("--max-retries", type=int, default=8, help="transient failures per request before giving up")
+    sp.add_argument("--max-retries", type=int, help="transient failures per request before giving up")
     sp.add_argument("--backoff-base", type=float, default=0.5)
     sp.add_argument("--backoff-max", type=float, default=30.0)
-    sp.add_argument("--empty-retries", type=int, default=1)
+    sp.add_argument("--empty-retries", type=int)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
+from dflash_pipeline import settings
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.hidden_states.layout import CODECS, STORED_DTYPES, ShardFormatError, itemsize, uint_dtype
 
 FP8_MAX = 448.0
-DEFAULT_LEVEL = 1  # as rules/schemas/config.schema.yaml's extract.level
+DEFAULT_LEVEL = settings.default("extract.level")
 
 
 def split_planes(bits: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_pipeline import storage, target
+from dflash_pipeline import settings, storage, target
 from dflash_pipeline.compile_profile import name_compiled_workload
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.hidden_states.batching import Batch, copy_to_host, to_host_layout, token_budget_batches
@@ -38,25 +38,24 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ExtractSettings:
-    """How to extract. Defaults of the keys the schema's `extract` section has (rules/schemas/config.schema.yaml)
-    are the schema's."""
+    """How to extract. The keys of the config's `extract` section default to the schema's (settings.field)."""
 
     layer_ids: list | None = None       # explicit target layer ids, else from drafter_config
     drafter_config: dict | None = None  # the config's drafter section (target_layer_ids or num_layers)
-    codec: str = "zstd"
-    level: int = 1
-    dtype: str = "bfloat16"             # stored dtype
-    token_budget: int = 16384           # tokens per forward batch, padding included
+    codec: str = settings.field("extract.codec")
+    level: int = settings.field("extract.level")
+    dtype: str = settings.field("extract.dtype")                  # stored dtype
+    token_budget: int = settings.field("extract.token_budget")    # tokens per forward batch, padding included
     max_batch: int = 256
-    device: str = "auto"
+    device: str = settings.field("extract.device")
     compute_dtype: str = "auto"
-    attn_implementation: str = "sdpa"
-    trust_remote_code: bool = False
-    flush_tokens: int = 262144          # progress becomes durable every this many tokens
-    encode_threads: int = 8
+    attn_implementation: str = settings.field("extract.attn_implementation")
+    trust_remote_code: bool = settings.field("target.trust_remote_code")
+    flush_tokens: int = settings.field("extract.flush_tokens")    # progress becomes durable every this many tokens
+    encode_threads: int = settings.field("extract.encode_threads")
     queue_batches: int = 2
     skip_unsupervised: bool = True      # samples without a loss-masked token teach the drafter nothing
-    compile: bool | str = "auto"        # torch.compile the layers; auto: on a GPU when the shard amortises it
+    compile: bool | str = settings.field("extract.compile")  # torch.compile the layers; auto: on a GPU when the shard amortises it
     pad_multiple: int = 1               # pad batch lengths to a multiple (few shapes for compiled layers)
 
 
@@ -354,7 +353,6 @@ def extract_shards(tokens_paths: list, model_path: str, out_paths: list, setting
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    # defaults as the schema's extract section states them (the workflow passes them as --settings)
     p.add_argument("--tokens", nargs="+", required=True,
                    help="token shard(s) (parquet: sample_id, input_ids, loss_mask), extracted in one process")
     p.add_argument("--model", required=True, help="target model directory")
@@ -364,19 +362,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-layer-ids", help="comma-separated layer ids (default: from --drafter-config)")
     p.add_argument("--drafter-config", default="{}",
                    help="JSON of the config's drafter section (target_layer_ids or num_layers)")
-    p.add_argument("--codec", choices=CODECS, default="zstd")
-    p.add_argument("--level", type=int, default=1, help="zstd level (0: store uncompressed)")
-    p.add_argument("--dtype", choices=STORED_DTYPES, default="bfloat16", help="stored dtype")
-    p.add_argument("--token-budget", type=int, default=16384, help="tokens per forward batch (incl. padding)")
+    p.add_argument("--codec", choices=CODECS)
+    p.add_argument("--level", type=int, help="zstd level (0: store uncompressed)")
+    p.add_argument("--dtype", choices=STORED_DTYPES, help="stored dtype")
+    p.add_argument("--token-budget", type=int, help="tokens per forward batch (incl. padding)")
     p.add_argument("--max-batch", type=int, default=256)
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (honours CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N (honours CUDA_VISIBLE_DEVICES)")
     p.add_argument("--compute-dtype", default="auto", choices=list(target.COMPUTE_DTYPES),
                    help="auto: bf16 on GPU, fp32 on CPU")
-    p.add_argument("--attn-implementation", default="sdpa")
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--flush-tokens", type=int, default=262144, help="make progress durable every N tokens")
-    p.add_argument("--encode-threads", type=int, default=8)
-    p.add_argument("--compile", choices=["auto", "true", "false"], default="auto",
+    p.add_argument("--attn-implementation")
+    p.add_argument("--trust-remote-code", action="store_true", default=None)
+    p.add_argument("--flush-tokens", type=int, help="make progress durable every N tokens")
+    p.add_argument("--encode-threads", type=int)
+    p.add_argument("--compile", choices=["auto", "true", "false"],
                    help="torch.compile the target's layers; auto: on a GPU when the shard's tokens x layer parameters "
                         "amortise the compilation (~1.3x faster forward, ~15-30 s to compile)")
 

@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target model directory")
     p.add_argument("--extract-settings", default="{}", help="the extract rule's --settings JSON")
     p.add_argument("--train-settings", default="{}", help="the train rule's --settings JSON")
-    p.add_argument("--shards-per-job", type=int, default=1, help="extract.shards_per_job (decides compile=auto)")
+    p.add_argument("--shards-per-job", type=int, help="extract.shards_per_job (decides compile=auto)")
     p.add_argument("--measure-tokens", type=int, default=131072, help="tokens of the measured extraction shard")
     p.add_argument("--warmup-tokens", type=int, default=32768, help="tokens of the warm-up shard (not measured)")
     p.add_argument("--train-steps", type=int, default=8, help="measured training steps (as many warm-up steps first)")

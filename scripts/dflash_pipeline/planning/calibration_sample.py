@@ -173,9 +173,9 @@ def sample_identity(source) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", nargs="+", required=True, help="source token files (prompt lengths)")
     p.add_argument("--shards", nargs="+", required=True, help="the ingested shards (the prompts themselves)")
-    p.add_argument("--samples", type=int, default=256, help="measured prompts (config generate.calibrate.samples)")
-    p.add_argument("--warmup", type=int, default=8, help="extra prompts sent first and not measured")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, help="measured prompts (config generate.calibrate.samples)")
+    p.add_argument("--warmup", type=int, help="extra prompts sent first and not measured")
+    p.add_argument("--seed", type=int)
     p.add_argument("--out", required=True, help="the sample (Parquet)")
 
 

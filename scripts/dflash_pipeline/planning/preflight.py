@@ -250,3 +250,32 @@ def executor_name(argv: list[str], env: dict) -> str:
             if (profile / fname).exists():
                 return str((yaml.safe_load((profile / fname).read_text()) or {}).get("executor") or "local")
     return "local"
+
+
+def known_resources(resources) -> dict:
+    """{name: value} of Snakemake resources before a job exists (one computed per job, or given as an
+    expression on the command line or in a profile, by its text)."""
+    return {name: res.raw if res.is_evaluable() else res.value for name, res in resources.items()}
+
+
+def workflow_problems(workflow, config: dict, *, results: str, inputs: dict[str, str], built_inputs: set[str],
+                      target: str | None, argv: list[str], env: dict, cwd: str) -> list[str]:
+    """The workflow's checks before any job: the target directory (`target`: None when the workflow builds it or
+    its path did not resolve), the inputs' reachability, the results directory's owner and every rule's
+    resources on this invocation's executor (rules/common.smk, run_preflight)."""
+    from snakemake.resources import Resources
+
+    executor = executor_name(argv, env)
+    storage = workflow.storage_settings
+    problems = []
+    if target is not None and executor != "kubernetes":  # a pod's model lives in its image
+        problems += target_problems(target)
+    remote = f"{storage.default_storage_provider} {storage.default_storage_prefix or ''}" \
+        if storage.default_storage_provider else None
+    problems += input_problems(inputs, built_inputs, remote, results=results)
+    if not storage.default_storage_provider:  # a results directory belongs to one working directory
+        problems += [p for p in [results_owner_problem(results, cwd, claim=not workflow.dryrun)] if p]
+    rules_resources = {r.name: known_resources(r.resources) for r in workflow.rules}
+    overrides = {name: known_resources(Resources.from_mapping(m))
+                 for name, m in workflow.resource_settings.overwrite_resources.items()}
+    return problems + resource_problems(rules_resources, overrides, config, executor, f"executor {executor}")

@@ -146,7 +146,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", required=True, help="the target as a GGUF file")
     p.add_argument("--out", required=True, help="the transformers directory to write")
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
+    p.add_argument("--dtype", choices=DTYPES,
                    help="weights' dtype (float32: exactly the dequantized GGUF values)")
 
 

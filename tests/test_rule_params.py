@@ -1,0 +1,73 @@
+"""Every rule's settings (dflash_pipeline/settings/rule_params.py), from the shipped configs: each stage accepts
+what its rule passes, resources and runtime knobs stay out of the params, and outputs on S3 mirror the resume
+state beside them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+
+import pytest
+import yaml
+from snakemake.utils import validate
+
+from conftest import REPO
+from dflash_pipeline import cli, settings
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.settings.rule_params import RESOURCE_KEYS, RuleParams
+
+
+def config(*names: str, **sections) -> dict:
+    cfg: dict = {}
+
+    def merge(a, b):
+        for k, v in b.items():
+            a[k] = merge(a.get(k) or {}, v) if isinstance(v, dict) else v
+        return a
+
+    for name in names:
+        merge(cfg, yaml.safe_load((REPO / "config" / name).read_text()))
+    merge(cfg, sections)
+    validate(cfg, str(settings.SCHEMA_PATH))  # fills in the schema's defaults, as the workflow does
+    return cfg
+
+
+def accepts(stage: str, settings_json: str, runtime: dict | None = None) -> None:
+    spec = cli.STAGES[stage]
+    parser = argparse.ArgumentParser()
+    getattr(importlib.import_module(spec.module), spec.add_arguments)(parser)
+    cli.apply_settings(parser, stage, settings_json, json.dumps(runtime) if runtime is not None else None)
+
+
+@pytest.mark.parametrize("names", [("config.yaml",), ("config.yaml", "qwen3-8b.example.yaml"),
+                                   ("config.yaml", "smollm2-real.yaml")])
+def test_each_stage_accepts_what_its_rule_passes(names):
+    params = RuleParams(config(*names, target={"trust_remote_code": True}), "results")
+    accepts("generate", params.generate(), params.generate_runtime())
+    accepts("calibrate", params.generate(), params.generate_runtime())
+    accepts("extract", params.extract())
+    accepts("train", params.train(), params.runtime("train"))
+    accepts("evaluate", params.stage("evaluate", drop=("prompts_file",), **params.trust), params.runtime("evaluate"))
+    for built in (params.generate(), params.extract(), params.train()):
+        assert not RESOURCE_KEYS & set(json.loads(built)) and json.loads(built)["trust_remote_code"] is True
+    assert "cpu_threads" not in json.loads(params.train())  # how it runs: the runtime settings carry it
+    assert set(json.loads(params.rates())) == {"extract", "shards_per_job", "train", "tokens", "train_steps"}
+    assert set(json.loads(params.plan())) == {"generate", "tokenize", "extract", "drafter", "train", "cost"}
+
+
+def test_outputs_on_s3_mirror_journals_and_checkpoints_beside_them():
+    cfg = config("config.yaml")
+    assert RuleParams(cfg, "results").generate_runtime()["journal_mirror"] == ""
+    params = RuleParams(cfg, "results", "s3://bucket/run/")
+    assert params.generate_runtime()["journal_mirror"] == "s3://bucket/run/results/completions/journal"
+    assert json.loads(params.train())["checkpoint_mirror"] == "s3://bucket/run/results/train/checkpoints"
+    cfg["train"]["checkpoint_mirror"] = "s3://elsewhere/ckpt"
+    assert json.loads(RuleParams(cfg, "results", "s3://b/r").train())["checkpoint_mirror"] == "s3://elsewhere/ckpt"
+
+
+def test_a_backend_without_what_it_needs_is_one_line():
+    with pytest.raises(PipelineError, match="generate.servers lists no endpoint"):
+        RuleParams(config("config.yaml", generate={"backend": "servers"}), "results").generate()
+    with pytest.raises(PipelineError, match="generate.gpus is 0"):
+        RuleParams(config("config.yaml", generate={"backend": "sglang", "gpus": 0}), "results").generate()
