@@ -251,8 +251,8 @@ def _wrap_for_training(s, drafter: DFlashDrafter, dist_: Dist) -> torch.nn.Modul
                 setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
     if s.compile and gpu:
         # calibrate-rates' steps and this job share the name: the job compiles the dynamic graphs at once, cached
-        name_compiled_workload("train", {"drafter": dataclasses.asdict(drafter.config),
-                                         **{k: getattr(s, k, None) for k in SHAPE_SETTINGS}})
+        name_compiled_workload("train", {"drafter": drafter.config.to_dict(),
+                                         **{k: getattr(s, k) for k in SHAPE_SETTINGS}})
         for layer in drafter.layers:
             layer.compile()
     if dist_.world == 1:
