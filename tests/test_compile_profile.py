@@ -42,3 +42,18 @@ def test_a_job_id_set_by_the_user_wins(monkeypatch):
     _reset(monkeypatch, "my-run-7")
     assert compile_profile.name_compiled_workload("train", {"hidden": 576}) == "my-run-7"
     assert torch.compiler.config.job_id == "my-run-7"
+
+
+def test_training_names_its_workload_by_typed_train_settings():
+    """The GPU-only code that names training's workload reads these settings: each must be one (CPU check)."""
+    import argparse
+    import dataclasses
+
+    from dflash_pipeline.drafter import train
+    from dflash_pipeline.settings import typed
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    fields = {f.name for f in dataclasses.fields(typed.stage_class("train", frozenset(
+        a.dest for a in parser._actions if a.dest != "help")))}
+    assert set(train.SHAPE_SETTINGS) <= fields, set(train.SHAPE_SETTINGS) - fields
