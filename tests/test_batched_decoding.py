@@ -111,11 +111,13 @@ def twin_rows():
     return target, head, drafter, prompt, a
 
 
-def _plain_with_b_raised(target, prompt, delta):
+def _with_b_shifted(target, prompt, delta, **speculative):
+    """One decoding of `prompt` (plain greedy, or speculative given drafter= and head=) with the target's logit
+    for B = VOCAB-1 moved by `delta`."""
     b = VOCAB - 1
     hook = target.lm_head.register_forward_hook(lambda m, i, out: out + delta * (torch.arange(VOCAB) == b))
     try:
-        rows, _ = decode_all(target, [prompt], MAX_NEW, set())
+        rows, _ = decode_all(target, [prompt], MAX_NEW, set(), **speculative)
     finally:
         hook.remove()
     return rows[0]
@@ -126,7 +128,7 @@ def test_a_tie_within_the_dtype_resolution_is_a_tie(twin_rows):
     spec = decode_all(target, [prompt], MAX_NEW, set(), drafter=drafter, head=head)[0][0]
     i = spec.tokens.index(a)  # the first place the twins tie at the top
     delta = tie_tolerance("float32", spec.top1[i], 0.0) / 2  # 2 ulps of fp32 at that logit
-    plain = _plain_with_b_raised(target, prompt, delta)
+    plain = _with_b_shifted(target, prompt, delta)
     found = classify(spec, plain, "float32", 0.0)
     assert found["position"] == i and found["tie"]
     assert (found["greedy_token"], found["speculative_token"]) == (VOCAB - 1, a)
@@ -139,11 +141,41 @@ def test_a_tie_within_the_dtype_resolution_is_a_tie(twin_rows):
 def test_a_gap_beyond_the_dtype_resolution_is_a_failure(twin_rows):
     target, head, drafter, prompt, a = twin_rows
     spec = decode_all(target, [prompt], MAX_NEW, set(), drafter=drafter, head=head)[0][0]
-    plain = _plain_with_b_raised(target, prompt, 1.0)  # the reference prefers B by a whole logit
+    plain = _with_b_shifted(target, prompt, 1.0)  # the reference prefers B by a whole logit
     report = lossless_report([spec], [plain], ["s0"], "float32", 1e-3)
     assert report["numerical_ties"] == 0 and len(report["lossless_failures"]) == 1
     # the same gap in bf16 terms: 1.0 is 8 ulps at |logit| 16-32, still a divergence; 0.25 is a tie there
     assert tie_tolerance("bfloat16", 20.0, 1e-3) == 0.5 and tie_tolerance("float32", 20.0, 1e-3) == 1e-3
+
+
+def test_a_three_way_tie_within_the_resolution_is_a_tie(twin_rows):
+    """Three LM-head rows alike (A, C = VOCAB-2, B = VOCAB-1). The verification lowers B by a quarter of the
+    resolution: A and C level at its top, B just behind; the reference raises B as much and emits it, A and C
+    level behind. The verification's runner-up is C, not B (no swap of the same two tokens: the older rule
+    failed it, as it failed H100 bf16 runs), yet each forward ranks the other's token within the resolution: a
+    tie. B a whole logit ahead in the reference is still a failure."""
+    import copy
+
+    target, head, drafter, prompt, a = twin_rows
+    triple = copy.deepcopy(target)
+    with torch.no_grad():
+        triple.lm_head.weight[VOCAB - 2] = triple.lm_head.weight[a]
+    level = decode_all(triple, [prompt], MAX_NEW, set(), drafter=drafter, head=head)[0][0]
+    i = level.tokens.index(a)
+    assert a < VOCAB - 2 and sorted(level.near_ids[i][:3]) == [a, VOCAB - 2, VOCAB - 1]
+    delta = tie_tolerance("float32", level.top1[i], 0.0) / 4
+    spec = _with_b_shifted(triple, prompt, -delta, drafter=drafter, head=head)
+    plain = _with_b_shifted(triple, prompt, delta)
+    assert sorted(spec.near_ids[i][:2]) == [a, VOCAB - 2] and spec.gap[i] == 0.0  # B is not the runner-up
+    found = classify(spec, plain, "float32", 0.0)
+    assert found["tie"] and found["position"] == i
+    assert (found["greedy_token"], found["speculative_token"]) == (VOCAB - 1, a)
+    assert 0 < found["verify_gap"] <= found["tolerance"] and 0 < found["plain_gap"] <= found["tolerance"]
+    far = _with_b_shifted(triple, prompt, 1.0)
+    lost = lossless_report([spec], [far], ["s0"], "float32", 1e-3)
+    assert lost["numerical_ties"] == 0 and len(lost["lossless_failures"]) == 1
+    failure = lost["lossless_failures"][0]
+    assert failure["plain_gap"] is None or failure["plain_gap"] > failure["tolerance"]
 
 
 class KeepsOneRejectedDraft(BatchedGreedy):

@@ -29,14 +29,16 @@ from dflash_pipeline.target_layers import LayerOutputs
 
 @dataclass
 class RowOutput:
-    """One prompt's decoding; greedy runs also record, per generated token, the forward that chose it:
-    its top logit, top-1 minus top-2 gap and second-ranked token (the lossless check's tie evidence)."""
+    """One prompt's decoding; greedy runs also record, per generated token, the forward that chose it: its top
+    logit, top-1 minus top-2 gap, and its NEAR_K best tokens with each one's distance below the top logit (the
+    lossless check's tie evidence: several tokens can tie within the dtype's resolution, not only two)."""
 
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)  # drafts kept per target forward (speculative)
     top1: list[float] = field(default_factory=list)
     gap: list[float] = field(default_factory=list)
-    second: list[int] = field(default_factory=list)
+    near_ids: list[list[int]] = field(default_factory=list)
+    near_gaps: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -99,18 +101,21 @@ class _Target:
         return self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, **kw).logits
 
 
-def _top2(logits: torch.Tensor, chosen: torch.Tensor):
-    """(top logit, top-1 minus top-2 gap, the best token other than `chosen`) per position, float32."""
-    vals, idx = logits.topk(2, dim=-1)
+NEAR_K = 8  # tokens recorded per greedy position: bf16 logits of a small model tie three or more ways at times
+
+
+def _near(logits: torch.Tensor):
+    """(top logit, top-1 minus top-2 gap, the NEAR_K best token ids, each one's distance below the top logit)
+    per position, float32."""
+    vals, idx = logits.topk(min(NEAR_K, logits.shape[-1]), dim=-1)
     vals = vals.float()
-    second = torch.where(idx[..., 0] == chosen, idx[..., 1], idx[..., 0])
-    return vals[..., 0], vals[..., 0] - vals[..., 1], second
+    return vals[..., 0], vals[..., 0] - vals[..., 1], idx, vals[..., :1] - vals
 
 
 class _Rows:
     """Per-row decoding state on the device, updated in place by each step."""
 
-    def __init__(self, batch: int, max_new: int, width: int, device):
+    def __init__(self, batch: int, max_new: int, width: int, vocab: int, device):
         long = dict(dtype=torch.long, device=device)
         self.tokens = torch.zeros(batch, max_new + width, **long)
         self.count = torch.zeros(batch, **long)  # tokens generated so far
@@ -121,7 +126,9 @@ class _Rows:
         self.accepted = torch.full((batch, max_new + 1), -1, **long)
         self.top1 = torch.zeros(batch, max_new + width, dtype=torch.float32, device=device)
         self.gap = torch.zeros_like(self.top1)
-        self.second = torch.zeros(batch, max_new + width, **long)
+        k = min(NEAR_K, vocab)
+        self.near_ids = torch.zeros(batch, max_new + width, k, **long)
+        self.near_gaps = torch.zeros(batch, max_new + width, k, dtype=torch.float32, device=device)
         self.max_new = max_new
 
     def record_step(self, kept: torch.Tensor) -> None:
@@ -135,8 +142,9 @@ class _Rows:
         cols = self.count[:, None] + offs
         self.tokens.scatter_(1, cols, emitted)
         if records is not None:
-            for buf, value in zip((self.top1, self.gap, self.second), records):
-                buf.scatter_(1, cols, value)
+            for buf, value in zip(self.records(), records):
+                index = cols if value.dim() == 2 else cols[..., None].expand_as(value)
+                buf.scatter_(1, index, value)
         stop_hit = (emitted[..., None] == stop).any(-1) & (offs[None] < n_new[:, None])
         upto = torch.where(stop_hit.any(1), stop_hit.int().argmax(1) + 1, n_new)
         take = torch.minimum(upto, self.max_new - self.count) * self.active.long()
@@ -147,15 +155,20 @@ class _Rows:
         self.start += take
         self.active &= ~done
 
+    def records(self) -> tuple[torch.Tensor, ...]:
+        """The per-token tie evidence, in _near's order."""
+        return self.top1, self.gap, self.near_ids, self.near_gaps
+
     def outputs(self, speculative: bool, records: bool) -> list[RowOutput]:
         count, steps = self.count.tolist(), self.steps.tolist()
         tokens, acc = self.tokens.tolist(), self.accepted.tolist()
-        top1, gap, second = (t.tolist() for t in (self.top1, self.gap, self.second))
+        top1, gap, near_ids, near_gaps = (t.tolist() for t in self.records()) if records else ([],) * 4
         rows = []
         for b, n in enumerate(count):
             row = RowOutput(tokens[b][:n], acc[b][: steps[b]] if speculative else [])
             if records:
-                row.top1, row.gap, row.second = top1[b][:n], gap[b][:n], second[b][:n]
+                row.top1, row.gap = top1[b][:n], gap[b][:n]
+                row.near_ids, row.near_gaps = near_ids[b][:n], near_gaps[b][:n]
             rows.append(row)
         return rows
 
@@ -177,7 +190,7 @@ class BatchDecoder:
         batch, longest = len(prompts), max(len(p) for p in prompts)
         length = longest + max_new + self.width
         self.tgt = _Target(target, batch, length, self.device)
-        self.rows = _Rows(batch, max_new, self.width, self.device)
+        self.rows = _Rows(batch, max_new, self.width, text_config(target.config).vocab_size, self.device)
         self.uid = torch.tensor(list(uids if uids is not None else range(batch)), dtype=torch.long, device=self.device)
         self.stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
         self.cap = None
@@ -218,13 +231,13 @@ class BatchDecoder:
         logits = self.tgt(ids, pos, keep)
         col = torch.searchsorted(keep, lengths - 1) if logits.shape[1] == keep.numel() else lengths - 1
         last = logits.gather(1, col[:, None, None].expand(-1, 1, logits.shape[-1])).squeeze(1)
-        for t in (rows.count, rows.steps, rows.top1, rows.gap, rows.second, rows.tokens):
+        for t in (rows.count, rows.steps, rows.tokens, *rows.records()):
             t.zero_()
         rows.accepted.fill_(-1)
         rows.start.copy_(lengths - 1)
         rows.active.fill_(True)
         first = self.rule.first(last, uniforms(self.seed, self.uid, rows.steps, 1))
-        records = [r[:, None] for r in _top2(last, first)] if self.record else None
+        records = [r[:, None] for r in _near(last)] if self.record else None
         rows.emit(first[:, None], self.ones, self.stop, records)
         if self.cap is not None:
             self._spec_step(self.cap.features(), pos)
@@ -246,14 +259,14 @@ class BatchDecoder:
         self.feats.copy_(new_feats)
         self.ctx_pos.copy_(block_pos)
         rows.record_step(kept)
-        rows.emit(emitted, kept + 1, self.stop, _top2(logits, emitted) if self.record else None)
+        rows.emit(emitted, kept + 1, self.stop, _near(logits) if self.record else None)
 
     def _plain_step(self) -> None:
         rows = self.rows
         logits = self.tgt(rows.last[:, None], rows.start[:, None])
         nxt = logits.argmax(-1)
         rows.steps += rows.active.long()
-        rows.emit(nxt, self.ones, self.stop, _top2(logits, nxt))
+        rows.emit(nxt, self.ones, self.stop, _near(logits))
 
     def run(self) -> BatchRun:
         try:

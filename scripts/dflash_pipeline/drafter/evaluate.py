@@ -16,8 +16,8 @@ decoding runs once per prompt set and is shared by all drafters. Prompts longer 
 (max_position_embeddings - max_new_tokens - block_size) are skipped with a count (an error if none remain).
 
 Losslessness: every greedy speculative output is compared token for token with plain greedy decoding of the
-target. A difference where both forwards rank the same two tokens first, in opposite order, with top-2 gaps
-within the logits' dtype resolution (max(`--tie-tolerance`, 4 ulps): drafter/lossless.py) is a numerical tie
+target. A difference where each forward ranks the other's token within the logits' dtype resolution of its
+own top logit (max(`--tie-tolerance`, 4 ulps): drafter/lossless.py) is a numerical tie
 (block verification and one-token decoding round differently), reported with its gap distribution; any other
 difference is a lossless failure and fails the gate.
 
@@ -62,7 +62,7 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--min-tau-gain", type=float, help="trained tau must exceed untrained by this")
     p.add_argument("--tie-tolerance", type=float,
-                   help="absolute floor of the top-2 logit gap treated as a numerical tie; the tolerance is the larger "
+                   help="absolute floor of the logit distance treated as a numerical tie; the tolerance is the larger "
                         "of this and 4 ulps of the top logit in the logits' dtype (bf16: 0.5 at |logit| 16-32)")
     p.add_argument("--batch-size", type=int, help="prompts decoded together (rows of similar length)")
     p.add_argument("--eager", action="store_true", default=None, help="no CUDA graphs on a GPU (they are never used on CPU)")

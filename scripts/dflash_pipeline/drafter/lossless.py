@@ -2,10 +2,15 @@
 (a tie) from a real divergence (the drafter, the verification or a cache is wrong).
 
 At the first differing position, plain decoding chose `ref` and the speculative run emitted `got`. It is a
-**numerical tie** when both forwards rank the same two tokens first, in opposite order (plain's runner-up is
-`got`, the verification forward's runner-up is `ref`), and each forward's top-1 minus top-2 logit gap is within
-what its logits' dtype resolves: `max(floor, TIE_ULPS * ulp(|top logit|))`, the ulp of that dtype at the top
-logit's magnitude. Anything else is a **real divergence**, and only those fail the gate.
+**numerical tie** when each forward ranks the other's token within what its logits' dtype resolves of its own
+top logit: plain's logit for `got` is at most `tol` below plain's top, and the verification forward's logit for
+`ref` at most `tol` below its top, with `tol = max(floor, TIE_ULPS * ulp(|top logit|))`, the ulp of that dtype
+at the top logit's magnitude. Both forwards record their NEAR_K best tokens per position
+(drafter/batched_decoding.py), so a tie of three or more tokens counts too: on the H100 (SmolLM2-135M, bf16,
+batch 80) the untrained and the trained drafter failed an older rule (the same two tokens first, in opposite
+order) on the same eight held-out prompts, every one with top-2 gaps of 0 to 0.25 against a tolerance of 0.5
+and a gap of exactly 0 in at least one forward: more than two tokens tied there. Anything else is a **real
+divergence**, and only those fail the gate.
 
 Why this tolerance: block verification (a block of tokens in one forward) and one-token decoding reduce in a
 different order in every matmul and attention, so the same logit comes out rounded differently, and the final
@@ -14,7 +19,7 @@ two divergences seen on the H200 (top-2 gaps 0.125 and 0.25 on SmolLM2-135M) wer
 tolerance like 1e-3 can call a tie (it is below one bf16 ulp for any logit above 0.25). Four ulps leave room
 for rounding accumulated over the layers; in float32 the same rule allows ~4e-6 at |logit| 8, so a CPU test
 cannot pass a wrong token off as a tie. A drafter or cache bug shows as a token the verification does not rank
-first or second, or as gaps far above the dtype's resolution.
+near its top, or as gaps far above the dtype's resolution.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import torch
 
 TIE_ULPS = 4
 
-RULE = (f"numerical tie: at the first differing token, plain greedy and the verification forward rank the same "
-        f"two tokens first in opposite order, each with a top-2 gap <= max(tie_tolerance, {TIE_ULPS} ulps of the "
-        "top logit in the logits' dtype); any other difference is a lossless failure")
+RULE = (f"numerical tie: at the first differing token, plain greedy's logit for the speculative token and the "
+        f"verification forward's logit for plain's token are each <= max(tie_tolerance, {TIE_ULPS} ulps of that "
+        "forward's top logit in the logits' dtype) below that forward's top logit; any other difference is a "
+        "lossless failure")
 
 
 def tie_tolerance(dtype_name: str, top_logit: float, floor: float) -> float:
@@ -43,25 +49,35 @@ def _first_difference(out: list[int], ref: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(out, ref)) if x != y), min(len(out), len(ref)))
 
 
+def _below_top(row, i: int, token: int) -> float | None:
+    """How far `token`'s logit lies below the top logit of the forward that chose position i (None: not among the
+    tokens recorded there)."""
+    return next((g for t, g in zip(row.near_ids[i], row.near_gaps[i]) if t == token), None)
+
+
 def classify(out, ref, dtype_name: str, floor: float) -> dict | None:
-    """None when identical, else {"tie": bool, "position", "plain_gap", "verify_gap", "tolerance", tokens}.
+    """None when identical, else {"tie": bool, "position", "plain_gap", "verify_gap", "tolerance", tokens}:
+    plain_gap, how far plain's logit for the speculative token lies below its top; verify_gap, how far the
+    verification's logit for plain's token lies below its top (None: not among the recorded best tokens).
 
     `out`, `ref`: RowOutput of the speculative run and of plain greedy decoding (with their records)."""
     if out.tokens == ref.tokens:
         return None
     i = _first_difference(out.tokens, ref.tokens)
-    has = lambda row: i < len(row.tokens) and i < len(row.gap)  # noqa: E731
+    has = lambda row: i < len(row.tokens) and i < len(row.near_ids)  # noqa: E731
     finding = {"position": i, "greedy_token": ref.tokens[i] if i < len(ref.tokens) else None,
                "speculative_token": out.tokens[i] if i < len(out.tokens) else None,
-               "plain_gap": ref.gap[i] if has(ref) else None, "verify_gap": out.gap[i] if has(out) else None,
+               "plain_gap": None, "verify_gap": None, "top2_gap": ref.gap[i] if i < len(ref.gap) else None,
                "tolerance": None, "tie": False}
-    if not (has(ref) and has(out)) or not (ref.second and out.second):
+    if not (has(ref) and has(out)):
         return finding  # one output ends early, or no records (one-prompt fallback): strict
+    finding["plain_gap"] = _below_top(ref, i, out.tokens[i])
+    finding["verify_gap"] = _below_top(out, i, ref.tokens[i])
     tol_plain = tie_tolerance(dtype_name, ref.top1[i], floor)
     tol_verify = tie_tolerance(dtype_name, out.top1[i], floor)
     finding["tolerance"] = max(tol_plain, tol_verify)
-    finding["tie"] = (ref.second[i] == out.tokens[i] and out.second[i] == ref.tokens[i]
-                      and ref.gap[i] <= tol_plain and out.gap[i] <= tol_verify)
+    finding["tie"] = (finding["plain_gap"] is not None and finding["plain_gap"] <= tol_plain
+                      and finding["verify_gap"] is not None and finding["verify_gap"] <= tol_verify)
     return finding
 
 
@@ -75,7 +91,7 @@ def lossless_report(outputs, references, sample_ids, dtype_name: str, floor: flo
         elif finding.pop("tie"):
             ties.append({"sample_id": sid, **finding})
         else:
-            failures.append({"sample_id": sid, **finding, "top2_gap": finding["plain_gap"]})
+            failures.append({"sample_id": sid, **finding})
     gaps = [t["plain_gap"] for t in ties]
     summary = {"count": len(ties), "gap_min": min(gaps) if gaps else None,
                "gap_median": statistics.median(gaps) if gaps else None, "gap_max": max(gaps) if gaps else None,
