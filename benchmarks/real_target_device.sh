@@ -7,9 +7,9 @@
 #
 # Call 1 installs the wheels, copies its GGUF half aside and runs the benchmark commands given to it (each
 # stopped before the call's budget). Later calls join the halves and run the chain: the workflow on the real
-# Snakefile (everything, import to evaluation), the evaluation of ours and the untrained drafter, the peers'
-# data, speculators and its evaluation, the loaders' check, the table, then SpecForge (the slowest: batch 1) and
-# its evaluation. Every stage skips what it finished, so a call that runs out of time leaves the rest to the next.
+# Snakefile (everything, import to evaluation), the evaluation of ours and the untrained drafter, our trainer's
+# variants (VARIANT_RUNS) and their evaluation, the peers' data, speculators and its evaluation, the loaders'
+# check, the table, then SpecForge (the slowest: batch 1) and its evaluation. Every stage skips what it finished, so a call that runs out of time leaves the rest to the next.
 # State lives in $W (outside the working tree) and survives while the machine stays warm (30 s after a call):
 # issue the next call at once; a cold machine starts again from call 1.
 set -uo pipefail
@@ -51,6 +51,7 @@ if [ "$CALL" = 1 ]; then
 else
   # ours (and the untrained drafter) evaluated first: a call that runs out of time still has our tau
   sbs workflow --until all && sbs evaluate; sbs table
+  sbs variants && sbs evaluate; sbs table  # our trainer with fewer samples per step (VARIANT_RUNS)
   sbs peer-data && sbs speculators && sbs evaluate; sbs compat; sbs table
   sbs specforge && sbs evaluate; sbs table; rc=$?
 fi

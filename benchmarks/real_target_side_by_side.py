@@ -309,7 +309,8 @@ def collect_workflow(results: Path, out: Path) -> None:
     runs = [g.get("this_run") or {} for g in gen if g]
     gen_tokens = sum(r.get("completion_tokens", 0) for r in runs)
     gen_wall = sum(r.get("wall_s", 0) for r in runs)
-    ext = [read_json(p) for p in sorted((results / "hidden_states").rglob("*.json"))] if (results / "hidden_states").exists() else []
+    stats = sorted(str(p) for p in (results / "hidden").glob("*.stats.json"))  # extract's per-shard stats
+    ext = [read_json(p) for p in stats]
     metrics = results / "train" / "drafter" / "metrics.jsonl"
     recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
     tps = [r["tokens_per_s"] for r in recs[2:]] or [r["tokens_per_s"] for r in recs]
@@ -327,7 +328,6 @@ def collect_workflow(results: Path, out: Path) -> None:
     try:  # the summary page's "plan vs actual" rows, as numbers
         from dflash_pipeline.report.figures import plan_vs_actual
 
-        stats = [str(p) for p in (results / "hidden_states").rglob("*.json")] if (results / "hidden_states").exists() else []
         rows = plan_vs_actual(str(results / "plan.json"), str(results / "calibration" / "generation.json"),
                               [str(p) for p in sorted((results / "completions").glob("*.summary.json"))], stats,
                               str(results / "benchmarks"))
@@ -606,7 +606,8 @@ def stage_evaluate(a) -> None:
     t = time.perf_counter()
     plain, _ = plain_greedy(target, prompts, max_new, stop, **run)
     log(f"plain greedy: {len(prompts)} prompts in {time.perf_counter() - t:.1f} s")
-    sides = {"ours": w / "wf" / "results" / "drafter", "specforge": w / "sf_export", "speculators": w / "spec_export"}
+    sides = {"ours": w / "wf" / "results" / "drafter", "specforge": w / "sf_export", "speculators": w / "spec_export",
+             **{name: w / "variants" / name / "drafter" for name in VARIANT_RUNS}}
     for name, d in [*sides.items(), ("untrained", None)]:
         if name in results or (d is not None and not (d / "config.json").exists()):
             continue
@@ -631,6 +632,47 @@ def stage_evaluate(a) -> None:
                             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     write_json(result_path, results)
     shutil.copyfile(result_path, out / "evaluate.json")
+
+
+# ------------------------------------------------------------------------------------------------ variants
+# Our trainer again on the workflow's own hidden states, one setting changed. The H100 run of 2026-12-06 ranked
+# the trainers by optimizer steps on the same 2,881 samples x 2 epochs: ours 360 steps (batch 16) tau 1.197,
+# speculators ~1,310 (packed rows of 2,048 tokens) 1.216, SpecForge 5,762 (batch 1) 1.374. These runs test
+# that reading on our side.
+VARIANT_RUNS = {"ours-batch4": {"batch_size": 4}, "ours-batch1": {"batch_size": 1}}
+
+
+def workflow_train_settings(train_log: Path) -> dict:
+    """The --settings JSON the workflow's train job ran with (its launch line in the job's log)."""
+    import shlex
+
+    for line in train_log.read_text(errors="replace").splitlines():
+        if " launch: " in line and " train " in line:
+            args = shlex.split(line.split(" launch: ", 1)[1])
+            return json.loads(args[args.index("--settings") + 1])
+    raise SystemExit(f"{train_log}: no launch line with --settings (was the workflow's train job run?)")
+
+
+def stage_variants(a) -> None:
+    w, out = Path(a.work), Path(a.out)
+    results = w / "wf" / "results"
+    hidden = sorted(str(p) for p in (results / "hidden").glob("*.dfhs"))
+    if not hidden or not (results / "drafter" / "config.json").exists():
+        raise SystemExit("variants: the workflow has not trained and exported its drafter yet")
+    base = workflow_train_settings(results / "logs" / "train.log")
+    cli = [sys.executable, "-m", "dflash_pipeline.cli"]
+    for name, change in VARIANT_RUNS.items():
+        d = w / "variants" / name
+        if done(d / "drafter" / "config.json"):
+            continue
+        d.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
+        sh(cli + ["train", "--inputs", *hidden, "--model", target_dir(w), "--out", d / "train",
+                  "--checkpoint-dir", d / "checkpoints", "--settings", json.dumps(dict(base, **change))],
+           out / f"train_{name}.log")
+        sh(cli + ["export", "--drafter", d / "train", "--model", target_dir(w), "--out", d / "drafter",
+                  "--settings", json.dumps({"dtype": "bfloat16"})], out / f"export_{name}.log")
+        write_json(out / f"{name}_run.json", {"wall_s": round(time.perf_counter() - t, 1), "settings": change})
 
 
 # ------------------------------------------------------------------------------------------------ compat
@@ -678,6 +720,11 @@ def steady_rate(kind: str, out: Path, recipe_: dict) -> float | None:
     """Steady-state training tokens/s from each trainer's own log (median over logged steps after warm-up)."""
     if kind == "ours":
         return ((read_json(out / "workflow.json", {}) or {}).get("train") or {}).get("median_tokens_per_s")
+    if kind in VARIANT_RUNS:  # our train log: "... N tok/s ..." every log_every steps
+        vals = [float(v) for v in re.findall(r" ([0-9.]+) tok/s ", (out / f"train_{kind}.log").read_text(errors="replace"))] \
+            if (out / f"train_{kind}.log").exists() else []
+        vals = vals[3:] or vals
+        return statistics.median(vals) if vals else None
     path = out / f"train_{kind}.log"
     if not path.exists():
         return None
@@ -705,8 +752,10 @@ def stage_table(a) -> None:
     cats = (ev.get("_settings") or {}).get("categories") or []
     head = ["side", "train tok/s"] + [f"{c} g/T.7" for c in cats] + ["pooled greedy", "pooled T=0.7", "lossless"]
     rows = []
-    for side in ("ours", "specforge", "speculators", "untrained"):
+    for side in ("ours", *VARIANT_RUNS, "specforge", "speculators", "untrained"):
         r = ev.get(side)
+        if side in VARIANT_RUNS and not r:
+            continue
         rate = None if side == "untrained" else steady_rate(side, out, rec)
         cells = [side, f"{rate:,.0f}" if rate else "-"]
         if r:
@@ -734,7 +783,7 @@ def stage_table(a) -> None:
 
 STAGES = {"kit": stage_kit, "target": stage_target, "workflow": stage_workflow,
           "peer-data": stage_peer_data, "specforge": stage_specforge, "speculators": stage_speculators,
-          "evaluate": stage_evaluate, "compat": stage_compat, "table": stage_table}
+          "evaluate": stage_evaluate, "compat": stage_compat, "variants": stage_variants, "table": stage_table}
 
 
 def main() -> int:
