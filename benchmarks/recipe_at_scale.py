@@ -84,6 +84,9 @@ VARIANTS = {
     "target-labels": {"labels": "target"},         # speculators' choice: the target's own argmax
     "lr-3e-4": {"lr": 3e-4},
     "lr-1.2e-3": {"lr": 1.2e-3},
+    # more optimizer steps on the same tokens: at 2,881 samples SpecForge (batch 1) led ours (batch 16) by 0.18
+    # tau on the H100 run of 2026-12-06 (docs/training.md, "Side by side on a real target")
+    "batch-4": {"batch_size": 4},
 }
 
 
