@@ -187,3 +187,19 @@ def test_steady_state_rate_is_exact_for_shared_and_per_request_servers():
     # fewer samples than the job's request slots: the servers ran less loaded than the run will keep them
     partial = rate_figures(_simulate(lengths, 32, own_rate=50.0), 32, capacity=256)
     assert not partial["steady_state"] and "only 32 of the job's 256 request slots" in partial["basis"]
+
+
+def test_an_engine_count_of_its_saturated_rounds_is_the_steady_rate():
+    """An in-process engine's own count (tokens decoded while requests waited for a slot) replaces Little's law,
+    which stays in the figures; a count shorter than MIN_ENGINE_S is not used."""
+    from dflash_pipeline.generation.calibrate import MIN_ENGINE_S
+
+    rng = random.Random(7)
+    timed = _simulate([int(rng.lognormvariate(5, 1)) + 1 for _ in range(256)], 32, own_rate=50.0)
+    little = rate_figures(timed, 32)
+    counted = rate_figures(timed, 32, engine_saturated=(90_000, 30.0))
+    assert counted["output_tok_s"] == 3000.0 and counted["steady_state"]
+    assert counted["basis"].startswith("engine-side steady state: 90,000 answer tokens decoded in 30.0 s")
+    assert counted["output_tok_s_little"] == little["output_tok_s"] and counted["engine_saturated_s"] == 30.0
+    short = rate_figures(timed, 32, engine_saturated=(900, MIN_ENGINE_S / 2))
+    assert short["output_tok_s"] == little["output_tok_s"] and "engine_saturated_s" not in short

@@ -198,3 +198,19 @@ def test_exactly_once_through_the_journal_with_the_slot_engine(tmp_path, tiny_ta
     assert [r["sample_id"] for r in again] == [r["sample_id"] for r in rows]
     assert [r["output_ids"] for r in again] == [r["output_ids"] for r in first]
     assert [r["messages"] for r in again] == [r["messages"] for r in first]
+
+
+def test_the_engine_counts_its_saturated_rounds(tiny_target):
+    """More requests than slots: the rounds run while requests waited for a slot are counted (the calibration's
+    steady-state figure): each decoded a full pool (3 rows), and the drain at the end, rows idle, is left out."""
+    from dflash_pipeline.generation.client import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=0)
+    budgets = [24, 6, 30, 12, 18, 9, 27, 15, 21, 3, 30, 12]
+    engine, got = run_engine(tiny_target, _prompts(12), [greedy] * 12, budgets, batch_size=3, width=128)
+    tokens, seconds = engine.saturated()
+    total = sum(c.completion_tokens for c in got)
+    assert 0 < tokens < total and 0 < seconds < engine.generate_seconds
+    pool = engine.scheduler.main
+    assert tokens % 3 == 0 and tokens >= 3 * max(budgets)  # full-pool steps only, and many of them
+    assert pool.row_steps - tokens >= 3  # the drain: the last rows ran unsaturated

@@ -46,6 +46,9 @@ class SlotEngine(HFEngine):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
+        # rounds run while requests waited for a free main-pool slot: every freed slot refilled, the state a long
+        # run keeps; answer tokens decoded and seconds spent in them (read by the calibration)
+        self.saturated_tokens, self.saturated_seconds = 0, 0.0
 
     @property
     def calibration_requests(self) -> int:
@@ -58,6 +61,14 @@ class SlotEngine(HFEngine):
         shape = (f"{pool.rows} slots x {pool.width} columns, {how}, {pool.live_attention.name} attention" if pool
                  else f"{self.batch_size} slots")
         return f"hf slots ({shape}) on {self.device}"
+
+    def saturated(self) -> tuple[int, float]:
+        """(answer tokens, seconds) decoded so far in rounds that ran with requests waiting for a slot."""
+        return self.saturated_tokens, self.saturated_seconds
+
+    def _decoded(self) -> int:
+        sch = self.scheduler
+        return sch.main.row_steps + (sch.wide.row_steps if sch.wide else 0)
 
     async def start(self, wait_s: float = 0) -> None:
         await asyncio.to_thread(self._load)
@@ -126,9 +137,13 @@ class SlotEngine(HFEngine):
         try:
             with torch.inference_mode():
                 while self._take():
-                    started = time.perf_counter()
+                    started, decoded = time.perf_counter(), self._decoded()
                     done = self.scheduler.round()
-                    self.generate_seconds += time.perf_counter() - started
+                    spent = time.perf_counter() - started
+                    self.generate_seconds += spent
+                    if self.scheduler.waiting["main"]:  # requests left waiting after the admission: a full pool
+                        self.saturated_tokens += self._decoded() - decoded
+                        self.saturated_seconds += spent
                     for req in done:
                         self.generated_tokens += len(req.tokens)
                         future, loop, thinking = req.tag
