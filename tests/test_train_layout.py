@@ -10,7 +10,7 @@ from dflash_pipeline.drafter.batch import collate, collate_packed, sample_anchor
 from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.distributed import Dist
 from dflash_pipeline.drafter.features import target_features
-from dflash_pipeline.drafter.flops import StepCounts, batch_counts, step_flops
+from dflash_pipeline.drafter.flops import StepCounts, batch_counts, peak_basis, step_flops
 from dflash_pipeline.drafter.loss import block_loss
 from dflash_pipeline.drafter.metrics import StepMetrics
 from dflash_pipeline.drafter.model import DFlashDrafter
@@ -120,6 +120,17 @@ def test_step_flops_equal_a_hand_count():
     # context: 6 tokens x (fc 2*16*8 fwd + the same for its weight gradient = 512, k/v 3 x 2*8*8 = 384) = 5376
     # head: 5 scored x (2*8*10 forward + 2*8*10 input gradient) = 1600
     assert step_flops(cfg, StepCounts(8, 48, 6, scored=5)) == 32256 + 5376 + 1600
+
+
+def test_the_peak_mfu_is_set_against_is_named():
+    """A measured matmul rate where one exists, else the spec sheet's dense peak, the longest name matching (an
+    H20 is not an H200, a PCIe H100 not an SXM one); none on CPU or for an unknown GPU; a configured one wins."""
+    gpu = torch.device("cuda")
+    assert peak_basis(gpu, name="NVIDIA H200") == (790e12, "measured bf16 matmul rate of the H200")
+    assert peak_basis(gpu, name="NVIDIA H100 80GB HBM3") == (989e12, "spec-sheet dense bf16 peak of the H100")
+    assert peak_basis(gpu, name="NVIDIA H100 PCIe")[0] == 756e12 and peak_basis(gpu, name="NVIDIA H20")[0] == 148e12
+    assert peak_basis(gpu, name="Tesla T4")[0] is None and peak_basis(torch.device("cpu"))[0] is None
+    assert peak_basis(torch.device("cpu"), 312.0) == (312e12, "the configured peak")
 
 
 def test_metrics_record_positions_tflops_and_mfu(parts):

@@ -24,6 +24,9 @@ import torch
 
 # measured bf16 dense matmul rate (8192^3, benchmarks/gpu_rates.py): the ceiling MFU is set against
 MEASURED_BF16 = {"H200": 790e12}
+# where none is measured: the vendor's dense bf16 peak (SXM parts), which no kernel reaches; an MFU against it
+# reads lower than one against a measured rate (H200: 790 measured of 989)
+SPEC_BF16_DENSE = {"H100": 989e12, "H100 PCIe": 756e12, "H200": 989e12, "H20": 148e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
 
 
 @dataclass(frozen=True)
@@ -57,12 +60,19 @@ def step_flops(cfg, counts: StepCounts) -> float:
     return float(layers + context + head)
 
 
-def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
-    """The FLOP/s MFU is set against: `override_tflops` if given, else the measured rate of a known GPU,
-    else None (CPU, unknown GPU: MFU is not reported)."""
+def peak_basis(device: torch.device, override_tflops: float = 0.0, name: str | None = None
+               ) -> tuple[float | None, str]:
+    """(FLOP/s, what it is): `override_tflops` if given, else the measured matmul rate of a known GPU, else its
+    spec sheet's dense bf16 peak, else None (CPU, an unknown GPU: MFU is not reported). `name`: the device's
+    name (default: asked of CUDA)."""
     if override_tflops > 0:
-        return override_tflops * 1e12
+        return override_tflops * 1e12, "the configured peak"
     if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((rate for key, rate in MEASURED_BF16.items() if key in name), None)
+        return None, "no peak on CPU"
+    name = name or torch.cuda.get_device_name(device)
+    # the longest matching key: "H200" before "H20"
+    for table, what in ((MEASURED_BF16, "measured bf16 matmul rate"), (SPEC_BF16_DENSE, "spec-sheet dense bf16 peak")):
+        key = max((k for k in table if k in name), key=len, default=None)
+        if key:
+            return table[key], f"{what} of the {key}"
+    return None, f"no known peak for {name}"

@@ -37,7 +37,7 @@ from dflash_pipeline.drafter.checkpoints import CheckpointStore
 from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.distributed import Dist
 from dflash_pipeline.drafter.features import target_features, target_features_and_predictions
-from dflash_pipeline.drafter.flops import batch_counts, peak_flops, step_flops
+from dflash_pipeline.drafter.flops import batch_counts, peak_basis, step_flops
 from dflash_pipeline.drafter.heldout import AcceptanceMonitor
 from dflash_pipeline.drafter.loss import WEIGHTINGS, block_loss
 from dflash_pipeline.drafter.metrics import StepMetrics, append_record, plot_metrics, read_records, summarize
@@ -440,7 +440,10 @@ def train(s, job: TrainJob) -> int:
     fp = run_fingerprint(s, run.dcfg, run.total_steps, run.steps.global_batch, run.source)
     store = CheckpointStore(job.checkpoint_dir, fp, s.keep_checkpoints, run.dist, s.checkpoint_mirror)
     start_step = store.restore(run.drafter, run.opt, run.sched, run.device)
-    metrics = StepMetrics(run.dcfg.block_size, run.device, peak_flops(run.device, job.peak_tflops))
+    peak, basis = peak_basis(run.device, job.peak_tflops)
+    if run.dist.main and peak:
+        log.info("MFU against %.0f TFLOP/s per GPU: the %s", peak / 1e12, basis)
+    metrics = StepMetrics(run.dcfg.block_size, run.device, peak)
     monitor = acceptance_monitor(run)
     if monitor and store.metrics_path.exists():
         monitor.load_history(read_records(store.metrics_path))
