@@ -55,6 +55,40 @@ def test_measured_rates_are_used_and_labelled():
     assert "ASSUMED (cost model" in render(modelled, SHAPE, [0, 1])
 
 
+def test_evaluation_is_projected_from_the_measured_decode_steps(tmp_path):
+    """Prompt sets in batches, a decoder's set-up per batch and run, max_new_tokens steps a run (tau 1, stated),
+    step times linear in the batch between the measured sizes, the speed-up prompts at batch 1, the target's load
+    first; without measured steps the plan says why it has no figure."""
+    from dflash_pipeline.planning.evaluate_rates import project, step_time
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(f'{{"question_id": {i}}}\n' for i in range(80)))
+    rates = {"device": "NVIDIA H100", "extract": {"tok_s": 1e5, "startup_s": 20.0, "load_s": 6.0,
+                                                  "process_start_s": 1.0},
+             "train": {"tok_s": 1e4, "startup_s": 30.0},
+             "evaluate": {"plain_step_s": {"1": 0.002, "64": 0.004}, "speculative_step_s": {"1": 0.006, "64": 0.010},
+                          "setup_s": 0.5}}
+    assert step_time(rates["evaluate"]["plain_step_s"], 32) == 0.002 + 0.002 * 31 / 63
+    evaluate = {"holdout_fraction": 0.02, "num_prompts": 64, "max_new_tokens": 256, "temperatures": [0, 0.7],
+                "speedup_prompts": 4, "prompts_file": str(questions), "batch_size": 32}
+    plain, spec = (lambda b: step_time(rates["evaluate"]["plain_step_s"], b),
+                   lambda b: step_time(rates["evaluate"]["speculative_step_s"], b))
+    # 3,000 samples: 60 held-out prompts (batches of 32 and 28), the file's 80 (32, 32, 16); 4 runs a batch
+    batch = lambda b: 5 * 0.5 + 256 * (plain(b) + 4 * spec(b))  # noqa: E731
+    want = 7.0 + 3 * batch(32) + batch(28) + batch(16) + 4 * (2 * 0.5 + 256 * (plain(1) + spec(1)))
+    got = project(evaluate, 3000, rates)
+    assert abs(got["seconds"] - want) < 1e-9 and "ASSUMED tau 1" in got["basis"]
+    plan = make_plan(_tok(3000, 100, 60), SHAPE, [0, 1], generate={"enabled": False}, tokenize={"max_length": 3072},
+                     extract={"codec": "zstd"}, train={"epochs": 2}, rates=rates, evaluate=evaluate)
+    assert abs(plan["evaluate_hours"] * 3600 - want) < 1e-9
+    assert f"evaluate: {want / 60:.1f} min (decode steps measured on NVIDIA H100" in render(plan, SHAPE, [0, 1])
+    failed = dict(rates, evaluate={"error": "OutOfMemoryError: CUDA out of memory"})
+    none = make_plan(_tok(3000, 100, 60), SHAPE, [0, 1], generate={"enabled": False}, tokenize={"max_length": 3072},
+                     extract={"codec": "zstd"}, train={"epochs": 2}, rates=failed, evaluate=evaluate)
+    assert none["evaluate_hours"] is None
+    assert "evaluate: not projected: OutOfMemoryError" in render(none, SHAPE, [0, 1])
+
+
 @pytest.mark.slow
 def test_calibrate_rates_runs_before_the_plan_through_the_workflow(tmp_path, tiny_target):
     """cost.calibrate_rates through the real Snakefile (tiny config, CPU): the rates job measures extraction and
@@ -71,7 +105,11 @@ def test_calibrate_rates_runs_before_the_plan_through_the_workflow(tmp_path, tin
     assert rates["device"] == "cpu"
     assert rates["extract"]["tok_s"] > 0 and rates["extract"]["tokens"] > 0 and rates["extract"]["startup_s"] > 0
     assert rates["train"]["tok_s"] > 0 and rates["train"]["steps"] == 4 and "left out" in rates["train"]["how"]
+    steps = rates["evaluate"]  # the evaluator's decode steps, timed with an untrained drafter of the run's shape
+    assert set(steps["plain_step_s"]) == set(steps["speculative_step_s"]) == {"1", "64"}, steps
+    assert min(steps["plain_step_s"].values()) > 0 and steps["setup_s"] >= 0
     plan = (work / "results/plan.txt").read_text()
+    assert re.search(r"evaluate: [0-9.]+ min \(decode steps measured on cpu", plan), plan
     assert "at {:,.0f} tok/s (measured on cpu".format(rates["extract"]["tok_s"]) in plan, plan
     assert "at {:,.0f} tok/s (measured on cpu".format(rates["train"]["tok_s"]) in plan, plan
 

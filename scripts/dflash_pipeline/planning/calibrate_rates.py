@@ -6,7 +6,8 @@ and then `train` on the measured shard's hidden states (offline) or tokens (onli
 every W steps, so that the second record is the rate with the first W steps (warm-up, compilation) left out.
 What a job pays before its first token is measured too: the process's age when the target starts loading
 (python, torch), the load, and the warm-up's time beyond its tokens at the measured rate. The plan
-(planning/rates.py) projects each stage as jobs x start-up + tokens / rate and labels these "measured".
+(planning/rates.py) projects each stage as jobs x start-up + tokens / rate and labels these "measured". The
+evaluator's decode steps are timed too (planning/evaluate_rates.py), so that the plan projects evaluation.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 
 from dflash_pipeline import storage
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.planning import evaluate_rates
 
 log = logging.getLogger(__name__)
 TOKEN_COLUMNS = ["sample_id", "input_ids", "loss_mask", "length", "num_loss_tokens", "truncated"]
@@ -157,6 +159,15 @@ def measure_train(args, hidden: str, meas: str, process_start_s: float) -> dict:
                    f" the first {W} (warm-up, compilation) left out"}
 
 
+def cut_prompts(path: str, most: int = 64) -> list[list[int]]:
+    """Prompts as the evaluator cuts them (each sample before its first supervised token) from a token shard."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["input_ids", "loss_mask"]).slice(0, most).to_pylist()
+    prompts = [r["input_ids"][: r["loss_mask"].index(1)] for r in table if 1 in r["loss_mask"]]
+    return [p for p in prompts if p] or [r["input_ids"][:1] for r in table[:1]]
+
+
 def run(args) -> int:
     age = process_age_s()
     os.makedirs(args.work_dir, exist_ok=True)
@@ -168,9 +179,18 @@ def run(args) -> int:
         if not args.skip_train:
             _free_gpu()
             result["train"] = measure_train(args, hidden, meas, extract["process_start_s"])
+            _free_gpu()
+            result["evaluate"] = evaluate_rates.timed_measure(
+                args.model, storage.read_json(os.path.join(args.work_dir, "train", "drafter_config.json")),
+                cut_prompts(meas))
     finally:
         shutil.rmtree(args.work_dir, ignore_errors=True)
     storage.write_json(args.out, result)
+    ev = result.get("evaluate") or {}
+    if ev:
+        print("calibrate-rates: evaluate " + (ev["error"] if "error" in ev else ", ".join(
+            f"batch {b}: plain {1e3 * ev['plain_step_s'][b]:.2f} ms, speculative {1e3 * ev['speculative_step_s'][b]:.2f} "
+            "ms a step" for b in ev["plain_step_s"])))
     for stage in ("extract", "train"):
         if stage in result:
             r = result[stage]

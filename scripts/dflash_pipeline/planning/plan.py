@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from dflash_pipeline import storage
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.planning import evaluate_rates
 from dflash_pipeline.planning.projection import (
     RunShape, assumed_calibration, fmt_hours, gate_failures, project_generation, render_generation,
 )
@@ -175,7 +176,7 @@ def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: di
               train: dict | None = None, measured_run: dict | None = None, scale: float = 1.0,
               gpu_tok_s: float | None = None, calibration: dict | None = None, jobs: int = 1,
               cost: dict | None = None, rates: dict | None = None, extract_jobs: int = 1,
-              block_size: int = 16) -> dict:
+              block_size: int = 16, evaluate: dict | None = None) -> dict:
     """All the numbers of the plan (pure: testable without files). `scale` extrapolates the token files
     to a dataset `scale` times larger (plan a full run from a sample); `jobs`: generation jobs of the whole run."""
     n = tok["samples"] * scale
@@ -204,7 +205,19 @@ def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: di
     plan["gpu_hour_usd"] = usd
     plan["extract_cost_usd"] = plan["extract_gpu_hours"] * usd if usd else None
     plan.update(_training_part(plan, shape, layer_ids, train or {}, usd, rates, block_size))
+    plan.update(_evaluation_part(plan, evaluate, rates))
     return plan
+
+
+def _evaluation_part(plan: dict, evaluate: dict | None, rates: dict | None) -> dict:
+    """The evaluation job's hours from the decode steps calibrate-rates timed (planning/evaluate_rates.py), or
+    why there is no projection."""
+    measured = (rates or {}).get("evaluate") or {}
+    if evaluate is None or not measured or "error" in measured:
+        why = measured.get("error") or "no decode steps measured (cost.calibrate_rates)"
+        return {"evaluate_hours": None, "evaluate_basis": f"not projected: {why}"}
+    got = evaluate_rates.project(evaluate, plan["samples"], rates)
+    return {"evaluate_hours": got["seconds"] / 3600, "evaluate_basis": got["basis"]}
 
 
 def shard_bytes_warning(plan: dict, shards: float, limit: float) -> list[str]:
@@ -253,6 +266,10 @@ def render(plan: dict, shape: dict, layer_ids, disk_warn_bytes: float = 1 * TB) 
         + f" at {plan['train_tok_s']:,.0f} tok/s ({plan['train_tok_s_source']}) + {plan['train_startup_s']:.0f} s "
         "start-up",
     ]
+    if plan.get("evaluate_hours") is not None:
+        lines.append(f"  evaluate: {plan['evaluate_hours'] * 60:.1f} min ({plan['evaluate_basis']})")
+    elif plan.get("evaluate_basis"):
+        lines.append(f"  evaluate: {plan['evaluate_basis']}")
     if plan["hidden_bytes"] >= disk_warn_bytes:
         hb = plan["hidden_bytes"]
         lines += [
@@ -281,6 +298,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "config generate.assumed (marked ASSUMED): the cost preview, before any GPU")
     p.add_argument("--rates", nargs="?", default=None, help="extraction and training rates measured on the run's "
                    "GPU (`dflash-pipeline calibrate-rates`); without: the cost model, marked ASSUMED")
+    p.add_argument("--evaluate-runtime", default=os.environ.get("DFLASH_EVALUATE_RUNTIME", "{}"),
+                   help="the evaluation's runtime settings (its batch size; default: the workflow's environment)")
     p.add_argument("--out", help="write the plan text here (it is printed too)")
     p.add_argument("--json", help="write the plan numbers here")
 
@@ -303,7 +322,9 @@ def run(args) -> int:
                      scale=args.scale, gpu_tok_s=extract_cfg.get("assumed_tokens_per_s"), calibration=calibration,
                      jobs=jobs, cost=cfg.get("cost"), rates=storage.read_json(args.rates) if args.rates else None,
                      extract_jobs=round(generation_jobs(names, int(extract_cfg.get("shards_per_job") or 1)) * args.scale),
-                     block_size=int((cfg.get("drafter") or {}).get("block_size") or 16))
+                     block_size=int((cfg.get("drafter") or {}).get("block_size") or 16),
+                     evaluate=({**cfg["evaluate"], **json.loads(args.evaluate_runtime or "{}")}
+                               if cfg.get("evaluate") else None))
     text = render(plan, shape, layer_ids, disk_warn_bytes=float(extract_cfg.get("warn_bytes", TB)))
     mask = mask_token(args.model, cfg.get("drafter") or {}, bool(cfg.get("trust_remote_code")))
     text += f"  drafter mask token: {mask['description']}\n"

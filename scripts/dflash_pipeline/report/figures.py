@@ -312,8 +312,10 @@ def plan_vs_actual(plan_path: str | None, cal_path: str | None, summaries: list[
                          None if note else _ratio(hours, plan["train_gpu_hours"]), note])
         evaluated = _job_hours(bench_dir, "evaluate")
         if evaluated is not None:
-            rows.append(["evaluation", "job-hours (Snakemake benchmarks)", None, evaluated, None,
-                         "not projected by the plan"])
+            planned = plan.get("evaluate_hours")
+            rows.append(["evaluation", "job-hours (Snakemake benchmarks)", planned, evaluated,
+                         _ratio(evaluated, planned) if planned else None,
+                         None if planned else plan.get("evaluate_basis") or "not projected by the plan"])
     return rows
 
 

@@ -34,6 +34,8 @@ PLAN_KEYS = {
     "drafter": ("num_layers", "target_layer_ids"),
     "train": ("epochs", "mode", "num_anchors", "max_length"),
     "cost": ("gpu_hour_usd",),
+    # what decides the evaluation's work (its batch size, runtime-only, reaches the plan through the environment)
+    "evaluate": ("holdout_fraction", "prompts_file", "num_prompts", "max_new_tokens", "temperatures", "speedup_prompts"),
 }
 # What decides training's speed, not its outcome: calibrate-rates' params (a new learning rate measures nothing
 # again).
