@@ -639,7 +639,8 @@ def stage_evaluate(a) -> None:
 # the trainers by optimizer steps on the same 2,881 samples x 2 epochs: ours 360 steps (batch 16) tau 1.197,
 # speculators ~1,310 (packed rows of 2,048 tokens) 1.216, SpecForge 5,762 (batch 1) 1.374. These runs test
 # that reading on our side.
-VARIANT_RUNS = {"ours-batch4": {"batch_size": 4}, "ours-batch1": {"batch_size": 1}}
+VARIANT_RUNS = {"ours-batch4": {"batch_size": 4}, "ours-batch1": {"batch_size": 1},
+                "ours-lr2.4e-3": {"lr": 2.4e-3}}  # batch 16 at 4x the rate (sqrt scaling from batch 1)
 
 
 def workflow_train_settings(train_log: Path) -> dict:
