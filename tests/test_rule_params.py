@@ -53,7 +53,9 @@ def test_each_stage_accepts_what_its_rule_passes(names):
         assert not RESOURCE_KEYS & set(json.loads(built)) and json.loads(built)["trust_remote_code"] is True
     assert "cpu_threads" not in json.loads(params.train())  # how it runs: the runtime settings carry it
     assert set(json.loads(params.rates())) == {"extract", "shards_per_job", "train", "tokens", "train_steps"}
-    assert set(json.loads(params.plan())) == {"generate", "tokenize", "extract", "drafter", "train", "cost"}
+    plan = json.loads(params.plan())
+    assert set(plan) == {"generate", "tokenize", "extract", "drafter", "train", "cost", "evaluate"}
+    assert "batch_size" not in plan["evaluate"]  # runtime-only: it reaches the plan through the environment
 
 
 def test_outputs_on_s3_mirror_journals_and_checkpoints_beside_them():
