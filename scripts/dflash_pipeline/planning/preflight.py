@@ -2,7 +2,7 @@
 the demo to their own model, data and cluster becomes one line naming what is wrong and how to fix it, instead of
 a failure after hours of CPU stages or on a GPU node.
 
-Pure functions of plain values (paths, dicts, the command line): `rules/common.smk` hands them the config and
+Pure functions of plain values (paths, dicts, the command line): the `Snakefile` and `rules/common.smk` hand them the config and
 what Snakemake knows (the profile's resources, the storage settings) and stops the run with their lines.
 """
 
@@ -280,7 +280,7 @@ def workflow_problems(workflow, config: dict, *, results: str, inputs: dict[str,
                       target: str | None, argv: list[str], env: dict, cwd: str) -> list[str]:
     """The workflow's checks before any job: the target directory (`target`: None when the workflow builds it or
     its path did not resolve), the inputs' reachability, the results directory's owner and every rule's
-    resources on this invocation's executor (rules/common.smk, run_preflight)."""
+    resources on this invocation's executor (before_first_job)."""
     from snakemake.resources import Resources
 
     executor = executor_name(argv, env)
