@@ -86,7 +86,7 @@ def _check_slurm_placement(work, configs, cfg) -> None:
 def _check_preview_needs_no_gpu(work, configs) -> None:
     """The cost preview the example names runs CPU jobs only and prices generation from ASSUMED figures."""
     plan = planned(snakemake(work, "-n", "results/preview.txt", configfiles=configs))
-    assert set(plan) == {"tokenize", "preview"} | ({"shard"} & set(plan)), plan
+    assert set(plan) == {"tokenize", "tokens_from_group", "preview"} | ({"shard", "shard_from_group"} & set(plan)), plan
     snakemake(work, "results/preview.txt", "--cores", "2", configfiles=configs)
     text = (work / "results/preview.txt").read_text()
     assert "generate, projected from ASSUMED figures (750 output tok/s per GPU, 2,500 output tokens" in text, text
