@@ -1,7 +1,6 @@
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 from dflash_pipeline.cluster.launch_torchrun import train_resources
 from dflash_pipeline.demo.paths import demo_builds_target, demo_data_files, demo_target_files
@@ -118,22 +117,24 @@ def final_output():
 # ------------------------------------------------------------------ ingest, tokenize, audit
 
 
-def shard_entry(wildcards):
-    return manifest()["_by_shard"][wildcards.shard]
+def shard_group_specs(wildcards):
+    """The manifest entries of a shard job's group, with their content digests: what decides the job (its param),
+    so a changed shard in another group, or another file, rewrites nothing here."""
+    by_shard = manifest()["_by_shard"]
+    return [by_shard[s] for s in SHARD_GROUPS.members(wildcards.shardgroup, shard_ids())]
 
 
-def shard_records(wildcards):
-    """The ingested file a shard is cut from. ancient(): the file is rewritten whenever any of its records
-    changes; the shard's manifest entry (its param, with a digest of its samples) says whether this shard did.
-    (Safe from snakemake#4166: asked only once the manifest checkpoint, which runs after ingest, is done.)"""
-    return ancient(os.path.join(R, f"ingest/files/{shard_entry(wildcards)['src']}.parquet"))
+def shard_group_records(wildcards):
+    """The ingested file a shard job cuts its group from. ancient(): the file is rewritten whenever any of its
+    records changes; the group's manifest entries (its param) say whether this group did. (Safe from
+    snakemake#4166: asked only once the manifest checkpoint, which runs after ingest, is done.)"""
+    return ancient(os.path.join(R, f"ingest/files/{shard_group_specs(wildcards)[0]['src']}.parquet"))
 
 
-def shard_conversations(wildcards):
-    """A shard's conversations: the ingested shard (source) or the target's completions (regenerated)."""
-    if wildcards.dataset == "source":
-        return os.path.join(R, f"ingest/shards/{wildcards.shard}.parquet")
-    return os.path.join(R, f"completions/{wildcards.shard}.parquet")
+def tokenize_group_inputs(wildcards):
+    """A tokenize job's conversations: its group's ingested shards (source) or the target's completions."""
+    folder = "ingest/shards" if wildcards.dataset == "source" else "completions"
+    return [os.path.join(R, folder, f"{s}.parquet") for s in SHARD_GROUPS.members(wildcards.shardgroup, shard_ids())]
 
 
 def shard_audits(wildcards):

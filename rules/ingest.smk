@@ -54,7 +54,7 @@ checkpoint manifest:
 
 rule shard:
     input:
-        records=lambda wc: shard_records(SimpleNamespace(shard=SHARD_GROUPS.members(wc.shardgroup, shard_ids())[0])),
+        records=shard_group_records,
     output:
         directory(os.path.join(R, "ingest/shards/groups/{shardgroup}")),
     log:
@@ -66,11 +66,7 @@ rule shard:
     conda:
         ENV_CPU
     params:
-        # the group's manifest entries, with their content digests, are what decide it: another shard of the
-        # same file (in another group) changed, or another file, rewrites nothing here
-        specs=lambda wc: json.dumps(
-            [manifest()["_by_shard"][s] for s in SHARD_GROUPS.members(wc.shardgroup, shard_ids())], sort_keys=True
-        ),
+        specs=lambda wc: json.dumps(shard_group_specs(wc), sort_keys=True),
         partial=lambda wc, output: output[0] + ".partial",
     shell:
         # nothing to resume (a shard takes a moment): a killed job's .partial directory is started afresh

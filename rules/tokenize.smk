@@ -5,10 +5,7 @@
 
 rule tokenize:
     input:
-        conversations=lambda wc: [
-            shard_conversations(SimpleNamespace(dataset=wc.dataset, shard=s))
-            for s in SHARD_GROUPS.members(wc.shardgroup, shard_ids())
-        ],
+        conversations=tokenize_group_inputs,
         verdicts=regenerated_settled,
         model=target_model_files(),
     output:
