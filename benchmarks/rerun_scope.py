@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from rerun_scenarios import TABLE, copy_run, ran  # noqa: E402
 
 BIN = Path(sys.executable).parent
-GPU_RULES = ("calibrate", "generate", "generate_group", "extract", "train", "evaluate")
+GPU_RULES = ("calibrate", "generate", "extract", "train", "evaluate")
 
 
 def snakemake(work: Path, tree: Path, configfiles, *args: str) -> subprocess.CompletedProcess:

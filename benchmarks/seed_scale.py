@@ -313,8 +313,8 @@ def dir_bytes(path: Path) -> int:
 
 
 def stage_of(rule: str) -> str:
-    """shard_group, shard_from_group -> shard; tokenize_group, tokens_from_group -> tokenize."""
-    return {"tokens_from_group": "tokenize"}.get(rule, rule.removesuffix("_from_group").removesuffix("_group"))
+    """shard_from_group -> shard; tokens_from_group -> tokenize (the local jobs that link a group's files out)."""
+    return {"tokens_from_group": "tokenize"}.get(rule, rule.removesuffix("_from_group"))
 
 
 def check_accounting(results: Path, expected: dict) -> list[str]:
@@ -425,12 +425,12 @@ def report(workdir: Path, run: dict, cores: int) -> int:
     m["gate_says"] = [line for line in log_text.splitlines() if "trivial responses" in line][:1]
     m["accounting_problems"] = check_accounting(workdir / "results", expected)
     t0 = time.time()  # planning every job of the finished run again (manifest present): DAG building cost
-    plan, _ = run_snakemake(workdir, cores, ["-n", "--forcerun", "shard_group", "tokenize_group"])
+    plan, _ = run_snakemake(workdir, cores, ["-n", "--forcerun", "shard", "tokenize"])
     m["dag_seconds"] = time.time() - t0
     m["dag_jobs"] = sum(int(x) for x in re.findall(r"^total\s+(\d+)", plan.stdout + plan.stderr, flags=re.M)[:1])
     (workdir / "seed_scale.json").write_text(json.dumps({**run, **m}, indent=1))
     print_table(m)
-    print(f"planning the {m['dag_jobs']} jobs after the manifest (snakemake -n --forcerun shard_group tokenize_group): {m['dag_seconds']:.0f} s")
+    print(f"planning the {m['dag_jobs']} jobs after the manifest (snakemake -n --forcerun shard tokenize): {m['dag_seconds']:.0f} s")
     print("gate:", *m["gate_says"])
     print("accounting:", "exact" if not m["accounting_problems"] else m["accounting_problems"])
     return 0 if not m["accounting_problems"] else 1

@@ -46,7 +46,7 @@ rule calibrate:
     params:
         model=lambda wc, input: target_model_dir(input.model),
         target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
-        settings=calibration_settings(),
+        settings=generate_settings(),
         sample=calibration_sample_identity,
         server_logs=log("calibrate.servers").removesuffix(".log"),
     shell:
@@ -68,7 +68,7 @@ checkpoint generation_gate:
     conda:
         ENV_CPU
     params:
-        limits=generation_limits(),
+        limits=PARAMS.generation_limits(),
     shell:
         # the reason goes to the terminal as well as the log: this is what the user must read
         "dflash-pipeline generation-gate --plan {input:q} {params.limits} --out {output:q} 2>&1 | tee {log:q}; "
@@ -103,8 +103,8 @@ if config["cost"].get("calibrate_rates"):
         params:
             model=lambda wc, input: target_model_dir(input.model),
             target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
-            settings=rates_settings(),
-            extract=extract_settings(),
+            settings=PARAMS.rates(),
+            extract=PARAMS.extract(),
             shards_per_job=EXTRACT["shards_per_job"],
             tokens=config["cost"]["calibrate_rates_tokens"],
             steps=config["cost"]["calibrate_rates_train_steps"],

@@ -5,7 +5,7 @@ if config["demo"]["enabled"]:
 
     rule demo_data:
         output:
-            demo_data_files(),
+            demo_data_files(RAW_INPUTS),
         log:
             log("demo_data"),
         conda:

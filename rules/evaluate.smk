@@ -26,7 +26,7 @@ rule evaluate:
     params:
         model=lambda wc, input: target_model_dir(input.model),
         target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
-        settings=stage_settings("evaluate", drop=("prompts_file",), **TRUST),
+        settings=PARAMS.stage("evaluate", drop=("prompts_file",), **PARAMS.trust),
         prompts=lambda wc, input: f"--prompts-file {shlex.quote(input.prompts[0])}" if input.prompts else "",
     shell:
         "dflash-pipeline with-gpus --n {resources.gpu} -- "

@@ -23,7 +23,7 @@ rule preview:
     params:
         model=lambda wc, input: target_model_dir(input.model),
         target=TOKENIZER_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
-        config=PLAN_CONFIG,
+        config=PARAMS.plan(),
         stats=os.path.join(R, "hidden/*.stats.json"),
     shell:
         "dflash-pipeline plan --tokens {input.tokens:q} --model {params.model:q} --config {params.config:q} "
@@ -48,7 +48,7 @@ checkpoint plan:
     params:
         model=lambda wc, input: target_model_dir(input.model),
         target=TOKENIZER_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
-        config=PLAN_CONFIG,
+        config=PARAMS.plan(),
         stats=os.path.join(R, "hidden/*.stats.json"),
         rates=lambda wc, input: f"--rates {shlex.quote(input.rates[0])}" if input.rates else "",
     shell:
@@ -63,7 +63,7 @@ rule extract:
     input:
         tokens=lambda wc: expand(
             os.path.join(R, "tokens", training_dataset(), "{shard}.parquet"),
-            shard=extraction_group_members(wc.exgroup),
+            shard=EXTRACTION_GROUPS.members(wc.exgroup, shard_ids()),
         ),
         # the gate must have passed and the plan be printed first; waited for, not inputs: a re-gate or a new
         # plan (a shard added elsewhere) redoes no shard
@@ -89,12 +89,14 @@ rule extract:
         target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         partial=lambda wc, output: output[0] + ".partial",
         outs=lambda wc, output: [
-            os.path.join(output[0] + ".partial", f"{s}.dfhs") for s in extraction_group_members(wc.exgroup)
+            os.path.join(output[0] + ".partial", f"{s}.dfhs")
+            for s in EXTRACTION_GROUPS.members(wc.exgroup, shard_ids())
         ],
         stats=lambda wc, output: [
-            os.path.join(output[0] + ".partial", f"{s}.stats.json") for s in extraction_group_members(wc.exgroup)
+            os.path.join(output[0] + ".partial", f"{s}.stats.json")
+            for s in EXTRACTION_GROUPS.members(wc.exgroup, shard_ids())
         ],
-        settings=extract_settings(),
+        settings=PARAMS.extract(),
     shell:
         # a killed job leaves {params.partial} (finished shards, {shard}.dfhs.partial + .journal): the rerun
         # resumes from them; only a complete group is renamed into place
@@ -106,7 +108,7 @@ rule extract:
 
 rule hidden_from_group:
     input:
-        group=lambda wc: os.path.join(R, f"hidden/groups/{extraction_group_of(wc.shard)}"),
+        group=lambda wc: os.path.join(R, f"hidden/groups/{EXTRACTION_GROUPS.of(wc.shard)}"),
         verdicts=settled,
     output:
         hidden=os.path.join(R, "hidden/{shard}.dfhs"),
@@ -116,11 +118,10 @@ rule hidden_from_group:
     conda:
         ENV_CPU
     shell:
-        # a hard link (the same bytes, no copy); a copy where the file system has none (another device, storage).
-        # touch: the link is newer than the group's timestamp, as a copy would be
-        "((ln -f {input.group:q}/{wildcards.shard}.dfhs {output.hidden:q} 2>/dev/null || "
-        "cp {input.group:q}/{wildcards.shard}.dfhs {output.hidden:q}) && touch {output.hidden:q} && "
-        "cp {input.group:q}/{wildcards.shard}.stats.json {output.stats:q}) > {log:q} 2>&1"
+        link_out(
+            ("{input.group:q}/{wildcards.shard}.dfhs", "{output.hidden:q}"),
+            ("{input.group:q}/{wildcards.shard}.stats.json", "{output.stats:q}"),
+        )
 
 
 localrules:

@@ -18,7 +18,7 @@ rule ingest:
     conda:
         ENV_CPU
     params:
-        settings=stage_settings("ingest", keys=["on_corrupt", "max_record_bytes", "max_records"]),
+        settings=PARAMS.stage("ingest", keys=["on_corrupt", "max_record_bytes", "max_records"]),
         name=lambda wc: RAW_INPUTS[wc.src],
     shell:
         "dflash-pipeline ingest --input {input.raw:q} --name {params.name:q} --out {output.records:q} --stats {output.stats:q} "
@@ -40,66 +40,53 @@ checkpoint manifest:
     conda:
         ENV_CPU
     params:
-        settings=stage_settings("ingest", keys=["shard_size"]),
+        settings=PARAMS.stage("ingest", keys=["shard_size"]),
     shell:
         "dflash-pipeline manifest --records {input.records:q} --stats {input.stats:q} --settings {params.settings:q} "
         "--out {output.manifest:q} > {log:q} 2>&1"
 
 
-# Writing a shard is cheap; starting a Python process for it is not (about a second). With
-# ingest.shards_per_job = K > 1 one job writes K consecutive shards of a file (a "job group" directory) and a
-# shell-only rule links each shard out, so thousands of shards cost a few hundred process start-ups.
-if SHARDS_PER_JOB == 1:
+# Writing a shard is cheap; starting a Python process for it is not (about a second). One shard job takes a
+# group: the ingest.shards_per_job consecutive shards of one file (1: a group of one), written under
+# ingest/shards/groups/{shardgroup}.partial/ and renamed at the end; a local rule links each shard out. So
+# thousands of shards cost a few hundred process start-ups, and the rule is `shard` whatever the group size.
 
-    rule shard:
-        input:
-            records=shard_records,
-        output:
-            os.path.join(R, "ingest/shards/{shard}.parquet"),
-        log:
-            log("shard/{shard}"),
-        benchmark:
-            bench("shard/{shard}")
-        conda:
-            ENV_CPU
-        params:
-            # this shard's manifest entry, with its content digest, is what decides it: another shard of the same
-            # file changed, or another file, rewrites nothing here
-            spec=lambda wc: json.dumps(shard_entry(wc), sort_keys=True),
-        shell:
-            "dflash-pipeline shard --records {input.records:q} --spec {params.spec:q} --out {output:q} > {log:q} 2>&1"
 
-else:
+rule shard:
+    input:
+        records=shard_group_records,
+    output:
+        directory(os.path.join(R, "ingest/shards/groups/{shardgroup}")),
+    log:
+        log("shard/{shardgroup}"),
+    benchmark:
+        bench("shard/{shardgroup}")
+    wildcard_constraints:
+        shardgroup=SHARD_GROUPS.pattern,
+    conda:
+        ENV_CPU
+    params:
+        specs=lambda wc: json.dumps(shard_group_specs(wc), sort_keys=True),
+        partial=lambda wc, output: output[0] + ".partial",
+    shell:
+        # nothing to resume (a shard takes a moment): a killed job's .partial directory is started afresh
+        "rm -rf {params.partial:q} && "
+        "dflash-pipeline shard --records {input.records:q} --specs {params.specs:q} --out-dir {params.partial:q} > {log:q} 2>&1 && "
+        "rm -rf {output:q} && mv {params.partial:q} {output:q}"
 
-    rule shard_group:
-        input:
-            records=lambda wc: shard_records(SimpleNamespace(shard=shard_group_members(wc.shardgroup)[0])),
-        output:
-            directory(os.path.join(R, "ingest/shards/groups/{shardgroup}")),
-        log:
-            log("shard/{shardgroup}"),
-        benchmark:
-            bench("shard/{shardgroup}")
-        wildcard_constraints:
-            shardgroup=r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*?-j\d{5}",
-        conda:
-            ENV_CPU
-        params:
-            specs=lambda wc: json.dumps(
-                [manifest()["_by_shard"][s] for s in shard_group_members(wc.shardgroup)], sort_keys=True
-            ),
-        shell:
-            "dflash-pipeline shard --records {input.records:q} --specs {params.specs:q} --out-dir {output:q} > {log:q} 2>&1"
 
-    rule shard_from_group:
-        input:
-            lambda wc: os.path.join(R, f"ingest/shards/groups/{shard_group_of(wc.shard)}"),
-        output:
-            os.path.join(R, "ingest/shards/{shard}.parquet"),
-        log:
-            log("shard/{shard}"),
-        conda:
-            ENV_CPU
-        shell:
-            # a hard link when the file system allows it: no bytes copied
-            "(ln -f {input:q}/{wildcards.shard}.parquet {output:q} || cp {input:q}/{wildcards.shard}.parquet {output:q}) > {log:q} 2>&1"
+rule shard_from_group:
+    input:
+        lambda wc: os.path.join(R, f"ingest/shards/groups/{SHARD_GROUPS.of(wc.shard)}"),
+    output:
+        os.path.join(R, "ingest/shards/{shard}.parquet"),
+    log:
+        log("shard/{shard}.link"),
+    conda:
+        ENV_CPU
+    shell:
+        link_out(("{input:q}/{wildcards.shard}.parquet", "{output:q}"))
+
+
+localrules:
+    shard_from_group,

@@ -1,11 +1,11 @@
 # A GGUF target is converted once into a transformers directory under the results (README: Real target (GGUF));
 # every stage reads that directory. A transformers directory as target.model_path needs no rule.
 
-if TARGET_IS_GGUF and not config["demo"]["enabled"]:
+if TARGET.is_gguf and not config["demo"]["enabled"]:
 
     rule target_import:
         input:
-            TARGET_SOURCE,
+            TARGET.path,
         output:
             target_model_files(),
         log:

@@ -28,7 +28,7 @@ rule train:
         model=lambda wc, input: target_model_dir(input.model),
         target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         checkpoints=os.path.join(R, "train/checkpoints"),  # not an output: survives a failed job for resume
-        settings=train_settings(),
+        settings=PARAMS.train(),
     shell:
         "dflash-pipeline with-gpus --n {resources.gpus_per_node} -- "
         "dflash-pipeline launch-torchrun --nproc-per-node auto --nnodes {resources.nnodes} -- "
@@ -51,7 +51,7 @@ rule export:
     params:
         model=lambda wc, input: target_model_dir(input.model),
         target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
-        settings=stage_settings(None, dtype=DRAFTER["export_dtype"], **TRUST),
+        settings=PARAMS.stage(None, dtype=DRAFTER["export_dtype"], **PARAMS.trust),
     shell:
         "dflash-pipeline export --drafter {input.drafter:q} --model {params.model:q} --out {output:q} --settings {params.settings:q} "
         "> {log:q} 2>&1"

@@ -72,7 +72,7 @@ def _check_slurm_placement(work, configs, cfg) -> None:
     runtime and memory are the config's (the profile places, the config sizes)."""
     proc = snakemake(work, "-n", profile="profiles/slurm", configfiles=configs)
     resources = _resources(proc.stdout + proc.stderr)
-    for rule, section in (("calibrate", "generate"), ("generate_group", "generate"), ("extract", "extract"),
+    for rule, section in (("calibrate", "generate"), ("generate", "generate"), ("extract", "extract"),
                           ("train", "train"), ("evaluate", "evaluate")):
         got, want = resources[rule], cfg[section]
         # train: no model (several nodes take a per-node GRES; the partition picks the type, see the profile)
@@ -86,7 +86,7 @@ def _check_slurm_placement(work, configs, cfg) -> None:
 def _check_preview_needs_no_gpu(work, configs) -> None:
     """The cost preview the example names runs CPU jobs only and prices generation from ASSUMED figures."""
     plan = planned(snakemake(work, "-n", "results/preview.txt", configfiles=configs))
-    assert set(plan) == {"tokenize", "preview"} | ({"shard"} & set(plan)), plan
+    assert set(plan) == {"tokenize", "tokens_from_group", "preview"} | ({"shard", "shard_from_group"} & set(plan)), plan
     snakemake(work, "results/preview.txt", "--cores", "2", configfiles=configs)
     text = (work / "results/preview.txt").read_text()
     assert "generate, projected from ASSUMED figures (750 output tok/s per GPU, 2,500 output tokens" in text, text
@@ -149,9 +149,10 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
     proc = snakemake(work, "-n", "-p", "--resources", "gpu=8", configfiles=configs)
     plan = planned(proc)
     # the regenerated dataset's audit and gate join the plan once the source gate (a checkpoint) has run
-    expect = {"shard": n, "tokenize": 2 * n, "audit": 1, "gate": 1, "calibration_sample": 1, "calibrate": 1,
+    # one shard and one tokenize job per shard here (ingest.shards_per_job 1), each linked out by a local job
+    expect = {"shard": n, "shard_from_group": n, "tokenize": 2 * n, "tokens_from_group": 2 * n, "audit": 1, "gate": 1, "calibration_sample": 1, "calibrate": 1,
               "calibrate_rates": 1,
-              "plan": 1, "generation_gate": 1, "generate_group": files, "completions_from_group": n,
+              "plan": 1, "generation_gate": 1, "generate": files, "completions_from_group": n,
               "extract": groups, "hidden_from_group": n, "train": 1, "export": 1, "evaluate": 1, "evaluate_gate": 1, "run_report": 1, "all": 1}
     assert plan == expect, plan
 
@@ -159,11 +160,11 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
     commands = _commands(out)
     # GPU resources of the example: generation on 8 GPUs (dp 8), extraction on 1, training on 8 of one node
     resources = dict(re.findall(r"rule (\w+):\n(?:    .*\n)*?    resources: (.*)", out))
-    assert "gpu=8" in resources["generate_group"] and "gpu=8" in resources["train"]
+    assert "gpu=8" in resources["generate"] and "gpu=8" in resources["train"]
     assert "gpu=1" in resources["extract"] and "gpu=1" in resources["evaluate"]
     _check_slurm_placement(work, configs, cfg)
     _check_preview_needs_no_gpu(work, configs)
-    generate_argv = commands["generate_group"][0]
+    generate_argv = commands["generate"][0]
     sglang = json.loads(json.loads(generate_argv[generate_argv.index("--settings") + 1])["sglang_json"])
     assert sglang["dp_size"] == 8 and sglang["context_length"] == 16384
 

@@ -467,14 +467,14 @@ def test_workflow_plans_one_generation_job_per_group_of_shards(tmp_path, tiny_ta
     proc = snakemake(work, "-n", *[f"results/completions/{s}.parquet" for s in shards], configfiles=configs)
     out = proc.stdout + proc.stderr
     plan = planned(proc)
-    assert plan["generate_group"] == len(groups) and plan["completions_from_group"] == len(shards), plan
+    assert plan["generate"] == len(groups) and plan["completions_from_group"] == len(shards), plan
     for g in groups:
         assert f"results/completions/groups/{g}" in out
     _killed_group_job_leaves_no_group_directory(work, configs, sorted(shards)[:2])
 
 
 def _killed_group_job_leaves_no_group_directory(work, configs, members):
-    """SIGKILL Snakemake and a generate_group job (no cleanup) once the job has written its first shard: the
+    """SIGKILL Snakemake and a generate job (no cleanup) once the job has written its first shard: the
     group's directory must not exist (on the H200 a killed group's half-filled directory was taken for
     complete by the next run), and the rerun completes every shard of the group."""
     group = members[0].rsplit("-", 1)[0] + "-g00000"

@@ -12,6 +12,7 @@ import json
 from collections import Counter
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -59,6 +60,12 @@ def pristine(runs):
 
 def _shards(workdir: Path) -> list[str]:
     return sorted(p.name.removesuffix(".parquet") for p in (workdir / "results/ingest/shards").glob("*.parquet"))
+
+
+def _group(shard: str, letter: str) -> str:
+    """The job group of a shard (one shard per group in the tiny config): rules/common.smk's names."""
+    src, k = shard.rsplit("-", 1)
+    return f"{src}-{letter}{int(k):05d}"
 
 
 def _per_shard(paths) -> dict[str, set[str]]:
@@ -109,7 +116,8 @@ def test_interrupted_run_redoes_only_the_missing_shard(done_run):
     assert planned(snakemake(done_run, "-n")) == {}  # consumers up to date: nothing needed
     report.unlink()
     plan = planned(snakemake(done_run, "-n", str(report.relative_to(done_run))))
-    assert plan == {"tokenize": 1, "audit": 1}, plan
+    # the shard's group directory is whole: its files are linked out again, nothing is tokenized
+    assert plan == {"tokens_from_group": 1, "audit": 1}, plan
     snakemake(done_run, str(report.relative_to(done_run)), "--cores", "2")
     assert all(path.exists() for path in lost) and report.exists()
     by_shard = _per_shard(changed(before, snapshot(done_run)))
@@ -121,12 +129,16 @@ def _tmp_files(directory: Path) -> list[Path]:
 
 
 def test_killed_job_leaves_nothing_a_rerun_trusts(done_run):
-    """Kill Snakemake and its job (SIGKILL, no cleanup) while the job is writing, then rerun."""
+    """Kill Snakemake and its job (SIGKILL, no cleanup) while the job is writing, then rerun. The tokenize job
+    writes its group under .partial and renames it at the end."""
     shard = _shards(done_run)[-1]
     target = done_run / f"results/tokens/source/{shard}.parquet"
     audit = target.with_suffix(".audit.json")
     target.unlink()
     audit.unlink()
+    group = done_run / f"results/tokens/source/groups/{_group(shard, 'j')}"
+    shutil.rmtree(group)
+    partial = group.with_name(group.name + ".partial")
     report = "results/audit/source/report.json"
     (done_run / report).unlink(missing_ok=True)  # the aggregate of an interrupted run
     proc = subprocess.Popen(
@@ -137,7 +149,7 @@ def test_killed_job_leaves_nothing_a_rerun_trusts(done_run):
     )
     # the job is running once its log exists; kill the moment a temporary output shows up (mid-write),
     # or after a few seconds of running if the write is too quick to catch
-    log = done_run / f"results/logs/tokenize/source/{shard}.log"
+    log = done_run / f"results/logs/tokenize/source/{group.name}.log"
     log.unlink(missing_ok=True)
     deadline = time.monotonic() + 120
     started = None
@@ -146,7 +158,7 @@ def test_killed_job_leaves_nothing_a_rerun_trusts(done_run):
         if started is None and log.exists():
             started = time.monotonic()
         if started is not None:
-            if _tmp_files(target.parent):
+            if partial.is_dir() and _tmp_files(partial):
                 caught_mid_write = True
                 break
             if time.monotonic() - started > 3.0:
@@ -156,22 +168,23 @@ def test_killed_job_leaves_nothing_a_rerun_trusts(done_run):
     # freeze the whole group first: what is on disk now is what the kill leaves. Under load the writer's atomic
     # rename can land between seeing its temporary file and the signal (the test failed that way under load)
     os.killpg(proc.pid, signal.SIGSTOP)
-    renamed_first = target.exists()
+    renamed_first = group.exists()
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     plan = planned(snakemake(done_run, "-n", report))
     if not renamed_first:
         # killed mid-run: nothing that looks like the finished output
-        assert not target.exists() and not audit.exists(), f"killed job left its outputs (mid-write: {caught_mid_write})"
+        assert not group.exists() and not target.exists() and not audit.exists(), \
+            f"killed job left its outputs (mid-write: {caught_mid_write})"
         # the rerun plans exactly that job again and completes it; leftovers of the killed writer are ignored
-        assert plan == {"tokenize": 1, "audit": 1}, plan
+        assert plan == {"tokenize": 1, "tokens_from_group": 1, "audit": 1}, plan
     else:
         # the rename beat the freeze: the file is whole (written aside, renamed), and the job is redone unless
         # Snakemake had already recorded it as finished
         import pyarrow.parquet as pq
 
-        assert pq.read_table(target).num_rows > 0
-        assert plan in ({"tokenize": 1, "audit": 1}, {"audit": 1}), plan
+        assert pq.read_table(group / target.name).num_rows > 0
+        assert plan in ({"tokenize": 1, "tokens_from_group": 1, "audit": 1}, {"tokens_from_group": 1, "audit": 1}), plan
     snakemake(done_run, "--unlock")  # a killed Snakemake leaves its directory lock (README: after a crash)
     snakemake(done_run, report, "--cores", "2")
     assert target.exists() and audit.exists()
@@ -234,8 +247,10 @@ TRAIN_ONWARDS = {"train": 1, "export": 1, "evaluate": 1, "evaluate_gate": 1, "ru
 def _expected(change, shards: int) -> dict[str, int]:
     """Jobs per rule the change must run, with `shards` shards in the finished run (tiny config: 2)."""
     # one extraction job per group of extract.shards_per_job shards of a raw file; the tiny config's raw files
-    # hold one shard each, so a group is a shard here
-    one_shard = {"shard": 1, "tokenize": 2, "generate": 1, "extract": 1, "hidden_from_group": 1}
+    # hold one shard each, so a group is a shard here; and so for shard, tokenize and generate (one job per group,
+    # then a local job per shard that links its files out)
+    one_shard = {"shard": 1, "shard_from_group": 1, "tokenize": 2, "tokens_from_group": 2, "generate": 1,
+                 "completions_from_group": 1, "extract": 1, "hidden_from_group": 1}
     return {
         "add_raw_file": {"ingest": 1, "manifest": 1, **one_shard, **AGGREGATES, **TRAIN_ONWARDS},
         "change_one_record": {"ingest": 1, "manifest": 1, **one_shard, **AGGREGATES, **TRAIN_ONWARDS},
@@ -243,7 +258,8 @@ def _expected(change, shards: int) -> dict[str, int]:
         "train_lr": TRAIN_ONWARDS,
         "extract_codec": {"plan": 1, "generation_gate": 1, "extract": shards, "hidden_from_group": shards,
                           **TRAIN_ONWARDS},
-        "max_new_tokens": {"calibrate": 1, "plan": 1, "generation_gate": 1, "generate": shards, "tokenize": shards,
+        "max_new_tokens": {"calibrate": 1, "plan": 1, "generation_gate": 1, "generate": shards,
+                           "completions_from_group": shards, "tokenize": shards, "tokens_from_group": shards,
                            "audit": 1, "gate": 1, "extract": shards, "hidden_from_group": shards, **TRAIN_ONWARDS},
     }[change.__name__]
 
@@ -314,7 +330,7 @@ def test_reset_redoes_what_forcerun_resumes(done_run):
     deletes that state, and the same forced run then really generates; training checkpoints go with `reset train`."""
     shard = next(s for s in _shards(done_run) if s.startswith("sharegpt_part2"))  # a shard no test above changed
     target = f"results/completions/{shard}.parquet"
-    log = done_run / f"results/logs/generate/{shard}.log"
+    log = done_run / f"results/logs/generate/{_group(shard, 'g')}.log"
     forced = (target, "--forcerun", "generate", "--cores", "2")
     snakemake(done_run, *forced)
     assert re.search(r"(\d+) of \1 samples already done \(journal\); 0 to generate", log.read_text()), log.read_text()

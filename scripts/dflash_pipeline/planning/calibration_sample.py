@@ -162,6 +162,20 @@ def drawn_from(path: str) -> dict | None:
     return {"shards": corpus["drawn_from"], "settings": corpus["settings"], "full": full}
 
 
+def settings_of(generate: dict) -> dict:
+    """The config's generate.calibrate settings that decide the draw (what drawn_from's `settings` records)."""
+    return {k: generate["calibrate"][k] for k in ("samples", "warmup_requests", "seed")}
+
+
+def shards_to_draw(drawn: dict | None, settings: dict, current: list[str]) -> list[str]:
+    """The shards a calibration sample is drawn from: those of the sample already drawn (`drawn`: drawn_from's
+    answer) while they all still exist and it met its size with the same settings, so that added data keeps the
+    sample and the calibration; else every shard."""
+    if drawn and drawn["settings"] == settings and drawn["full"] and set(drawn["shards"]) <= set(current):
+        return drawn["shards"]
+    return current
+
+
 def sample_identity(source) -> str:
     """A digest of which prompts a sample file (a path or an open binary file) holds, in which phase (sample ids
     are content hashes)."""

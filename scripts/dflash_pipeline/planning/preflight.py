@@ -2,7 +2,7 @@
 the demo to their own model, data and cluster becomes one line naming what is wrong and how to fix it, instead of
 a failure after hours of CPU stages or on a GPU node.
 
-Pure functions of plain values (paths, dicts, the command line): `rules/common.smk` hands them the config and
+Pure functions of plain values (paths, dicts, the command line): the `Snakefile` and `rules/common.smk` hand them the config and
 what Snakemake knows (the profile's resources, the storage settings) and stops the run with their lines.
 """
 
@@ -21,8 +21,8 @@ from dflash_pipeline.storage import not_regular_file
 
 # the rules that ask for GPUs, and the config section that says how much each needs (the config owns the GPU
 # count, runtime and memory of a job; a profile says where it runs)
-GPU_RULES = {"calibrate": "generate", "generate": "generate", "generate_group": "generate", "extract": "extract",
-             "train": "train", "evaluate": "evaluate"}
+GPU_RULES = {"calibrate": "generate", "generate": "generate", "extract": "extract", "train": "train",
+             "evaluate": "evaluate"}
 # Snakemake resource -> config key of the section
 CONFIG_OWNED = {"gpu": "gpus", "runtime": "runtime_min", "mem_mb": "mem_mb"}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -258,11 +258,29 @@ def known_resources(resources) -> dict:
     return {name: res.raw if res.is_evaluable() else res.value for name, res in resources.items()}
 
 
+def before_first_job(workflow, config: dict, *, path_problems: list[str], **known) -> list[str]:
+    """Every mistake in one run, before any job: the config's paths (`path_problems`, settings/config_paths.py),
+    then workflow_problems (`known`: its keywords). The Snakefile calls it once every rule exists. Nothing in a
+    job on a cluster (remote mode) or a job's subprocess: the invocation that submitted it was checked."""
+    if workflow.remote_exec or workflow.subprocess_exec:
+        return []
+    return list(path_problems) + workflow_problems(workflow, config, **known)
+
+
+def generation_backend_problems(generate: dict, argv: list[str], env: dict, supported_sglang: str) -> list[str]:
+    """backend_problems where this invocation runs the backend: not for a pod, which runs its image's sglang."""
+    return [] if executor_name(argv, env) == "kubernetes" else backend_problems(generate, supported_sglang)
+
+
+def stop_message(problems: list[str]) -> str:
+    return "preflight: " + "\npreflight: ".join(problems)
+
+
 def workflow_problems(workflow, config: dict, *, results: str, inputs: dict[str, str], built_inputs: set[str],
                       target: str | None, argv: list[str], env: dict, cwd: str) -> list[str]:
     """The workflow's checks before any job: the target directory (`target`: None when the workflow builds it or
     its path did not resolve), the inputs' reachability, the results directory's owner and every rule's
-    resources on this invocation's executor (rules/common.smk, run_preflight)."""
+    resources on this invocation's executor (before_first_job)."""
     from snakemake.resources import Resources
 
     executor = executor_name(argv, env)

@@ -66,6 +66,5 @@ def run(args) -> int:
         print(f"reset {args.stage}: no resume state under {results}")
     elif not args.yes:
         print(f"reset {args.stage}: nothing deleted; add --yes to delete the above")
-    rule = "generate (generate_group when generate.shards_per_job > 1)" if args.stage == "generate" else args.stage
-    print(f"then redo it: snakemake --forcerun {rule} --profile ... --configfile ...")
+    print(f"then redo it: snakemake --forcerun {args.stage} --profile ... --configfile ...")
     return 0

@@ -109,6 +109,21 @@ class RuleParams:
     def runtime(self, section: str) -> dict:
         return {k: self.config[section][k] for k in RUNTIME_ONLY[section] if self.config[section].get(k) is not None}
 
+    def job_environment(self) -> dict[str, str]:
+        """The runtime settings as environment variables: set in every Snakemake process that parses the
+        workflow, so the jobs it starts inherit them (and they are no param: changing one reruns nothing).
+        calibrate-rates reads the run's whole train settings the same way."""
+        return {"DFLASH_GENERATE_RUNTIME": json.dumps(self.generate_runtime(), sort_keys=True),
+                "DFLASH_TRAIN_RUNTIME": json.dumps(self.runtime("train"), sort_keys=True),
+                "DFLASH_EVALUATE_RUNTIME": json.dumps(self.runtime("evaluate"), sort_keys=True),
+                "DFLASH_RATES_TRAIN_SETTINGS": self.train()}
+
+    def generation_limits(self) -> str:
+        """calibrate's (and the generation gate's) --max-wall-hours/--max-gpu-hours, those the config sets."""
+        gen = self.config["generate"]
+        limits = {"--max-wall-hours": gen.get("max_wall_hours"), "--max-gpu-hours": gen.get("max_gpu_hours")}
+        return " ".join(f"{flag} {value}" for flag, value in limits.items() if value is not None)
+
     def drafter_layers(self) -> str:
         """Only what decides the target layers: the drafter's num_layers / target_layer_ids."""
         d = self.config.get("drafter") or {}
