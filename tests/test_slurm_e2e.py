@@ -61,22 +61,12 @@ def _slurm_jobs() -> dict[str, dict[str, str]]:
     return jobs
 
 
-GROUP = "cpu_chain"
-GROUPED = ("shard", "tokenize", "audit")
-
-
 def _jobs_by_rule(jobs: dict[str, dict[str, str]]) -> dict[str, list[dict[str, str]]]:
-    """The jobs Snakemake submitted, by rule (the executor puts the rule name in the job's comment; a group job's
-    is `rule_GROUP_RULE1_RULE2...`, listed under each of its rules and under GROUP)."""
+    """The jobs Snakemake submitted, by rule (the executor puts `rule_RULE_wildcards_...` in the job's comment)."""
     by_rule: dict[str, list[dict[str, str]]] = {}
     for job in jobs.values():
         comment = job.get("Comment", "")
-        if comment.startswith(f"rule_{GROUP}_"):
-            members = comment.removeprefix(f"rule_{GROUP}_").split("_wildcards")[0].split("_")
-            assert set(members) <= set(GROUPED), comment
-            for rule in (GROUP, *members):
-                by_rule.setdefault(rule, []).append(job)
-        elif comment.startswith("rule_"):
+        if comment.startswith("rule_"):
             by_rule.setdefault(comment.removeprefix("rule_").split("_wildcards")[0], []).append(job)
     return by_rule
 
@@ -89,14 +79,14 @@ def test_pipeline_through_slurm_profile(slurm_cluster, tmp_path, tiny_target):
     # The executor sees a job end at its status checks, 1, 12, 33, 64 s after the submission (it backs off by 10 s
     # while no job ended), and each job pays a Snakemake start-up inside it: a SLURM job costs 33-64 s here
     # whatever its stage. So the test submits fewer: the demo's raw file (what the demo_data rule writes: the
-    # tiny target is already in place the same way) is made by the local profile first, and each dataset's
-    # tokenize and audit run as one group job (--groups: one sbatch for the connected jobs of a group; on a
-    # cluster each stays its own job), 13 SLURM jobs -> 9.
+    # tiny target is already in place the same way) is made by the local profile first. The jobs that link a
+    # group's shards out (shard_from_group, tokens_from_group, completions_from_group, hidden_from_group) are
+    # local rules: they run here, beside Snakemake, and never queue.
     snakemake(workdir, "data/demo/sharegpt_part2.jsonl.gz", "--cores", "1", configfiles=configs)
     before = set(_slurm_jobs())
     t0 = time.monotonic()
     snakemake(
-        workdir, "--groups", *(f"{rule}={GROUP}" for rule in GROUPED),
+        workdir,
         "--slurm-no-account",                              # no accounting database on the test cluster
         "--slurm-status-command", "squeue",                # ... so jobs are tracked with squeue
         # the plugin checks after this many seconds, then 10 s later than the last time while no job ended:
@@ -113,18 +103,19 @@ def test_pipeline_through_slurm_profile(slurm_cluster, tmp_path, tiny_target):
     assert planned(snakemake(workdir, "-n", profile="profiles/slurm", configfiles=configs)) == {}
     # every job went through SLURM; GPU rules to the gpu partition with a GPU of the profile's model
     jobs = _jobs_by_rule({k: v for k, v in _slurm_jobs().items() if k not in before})
-    assert {"ingest", "manifest", "tokenize", "calibrate", "generate", "extract", "train", "evaluate"} <= set(jobs), \
-        sorted(jobs)
+    assert {"ingest", "manifest", "shard", "tokenize", "audit", "calibrate", "generate", "extract", "train",
+            "evaluate"} <= set(jobs), sorted(jobs)
     assert "demo_data" not in jobs and "tiny_target" not in jobs  # made before (above)
-    # two group jobs: the source dataset's shard, tokenize and audit; the regenerated dataset's tokenize and audit
-    assert sorted(len(job["Comment"].split("_")) for job in jobs[GROUP]) == [5, 6], [j["Comment"] for j in jobs[GROUP]]
+    linked = {"shard_from_group", "tokens_from_group", "completions_from_group", "hidden_from_group"}
+    assert not linked & set(jobs), sorted(jobs)  # local rules: never submitted
+    assert len(jobs["tokenize"]) == len(jobs["audit"]) == 2  # the source dataset and the regenerated one
     for rule in ("calibrate", "generate", "train", "evaluate", "extract"):
         for job in jobs[rule]:
             assert job["Partition"] == "gpu", (rule, job)
             # --gpus=h100:1 from the rule's gpu and the profile's gpu_model (train: no model, see the profile)
             assert job.get("TresPerJob") == ("gres:gpu:1" if rule == "train" else "gres:gpu:h100:1"), (rule, job)
             assert job["JobState"] == "COMPLETED", (rule, job)
-    for rule in ("ingest", "manifest", GROUP):
+    for rule in ("ingest", "manifest", "shard", "tokenize", "audit"):
         for job in jobs[rule]:
             assert job["Partition"] == "cpu" and "gpu" not in job.get("TresPerJob", ""), (rule, job)
             assert job["JobState"] == "COMPLETED", (rule, job)
