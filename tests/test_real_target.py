@@ -45,6 +45,25 @@ def test_import_records_the_gguf_and_writes_the_llama_config(smollm2_target):
                      "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True}
     assert cfg["rope_parameters"]["rope_theta"] == 100000.0
     assert json.loads((smollm2_target / "generation_config.json").read_text())["eos_token_id"] == 2  # <|im_end|>
+    assert record["special_token_ids"] == {"bos": 1, "eos": 2, "pad": 2, "unk": 0}  # as the GGUF states them
+
+
+def test_the_gguf_states_the_special_tokens_not_the_reader(smollm2_target):
+    """transformers 5.17's GGUF reader makes SmolLM2's end of sequence <|im_start|> (id 1; the file says <|im_end|>,
+    id 2): generation and evaluation then stopped at the next turn's start. The file's ids overrule the reader's:
+    a tokenizer misread that way, and its config, end at <|im_end|> again, and the correction is recorded."""
+    from transformers import AutoConfig
+
+    from conftest import SMOLLM2_GGUF
+    from dflash_pipeline.target_import.gguf import gguf_special_ids, set_special_tokens
+
+    tok, cfg = load_tokenizer(smollm2_target), AutoConfig.from_pretrained(smollm2_target)
+    tok.eos_token, cfg.eos_token_id = "<|im_start|>", 1  # what the 5.17 reader gives
+    corrected = set_special_tokens(tok, cfg, gguf_special_ids(package_paths.resolve(SMOLLM2_GGUF)))
+    assert corrected == {"eos": [1, 2]}
+    assert (tok.eos_token, tok.eos_token_id, cfg.eos_token_id) == ("<|im_end|>", 2, 2)
+    with pytest.raises(PipelineError, match="eos token id 99999 is outside its vocabulary of 49152"):
+        set_special_tokens(tok, cfg, {"eos": 99999})
 
 
 def test_imported_weights_answer_sensibly(tokenizer, model):

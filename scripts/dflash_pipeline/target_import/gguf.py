@@ -80,6 +80,41 @@ def load_gguf_tokenizer(path: Path):
     return tok
 
 
+# the special tokens a GGUF states; its word wins over the tokenizer reader's (transformers 5.17 reads
+# SmolLM2-135M-Instruct's end of sequence as <|im_start|> (id 1) where the file says <|im_end|> (id 2): generation and
+# the evaluator then stopped at the next turn's start, past the answer's end)
+GGUF_SPECIAL_IDS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
+                    "pad": "tokenizer.ggml.padding_token_id", "unk": "tokenizer.ggml.unknown_token_id"}
+
+
+def gguf_special_ids(path: Path) -> dict[str, int]:
+    """{bos, eos, pad, unk: token id} as the GGUF's metadata states them (those it states)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    out = {}
+    for name, key in GGUF_SPECIAL_IDS.items():
+        field = fields.get(key)
+        if field is not None and field.data:
+            out[name] = int(field.parts[field.data[0]][0])
+    return out
+
+
+def set_special_tokens(tokenizer, config, special: dict[str, int]) -> dict[str, list[int]]:
+    """The GGUF's special-token ids on the tokenizer and the config; {name: [read, stated]} where the tokenizer
+    reader had read another id."""
+    corrected = {}
+    for name, tid in special.items():
+        if not 0 <= tid < len(tokenizer):
+            raise PipelineError(f"GGUF {name} token id {tid} is outside its vocabulary of {len(tokenizer)} tokens")
+        read = getattr(tokenizer, f"{name}_token_id", None)
+        if read != tid:
+            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(tid))
+            corrected[name] = [read, tid]
+        setattr(config, f"{name}_token_id", tid)
+    return corrected
+
+
 def load_gguf_state(path: Path, model) -> dict:
     """The GGUF's tensors, dequantized to float32 and named as `model`'s parameters."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -115,6 +150,14 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     digest = sha256_file(path)
     config = load_gguf_config(path)
     tokenizer = load_gguf_tokenizer(path)
+    special = gguf_special_ids(path)
+    try:
+        corrected = set_special_tokens(tokenizer, config, special)
+    except PipelineError as exc:
+        raise PipelineError(f"{path}: {exc}") from None
+    if corrected:
+        log.warning("%s: special tokens as the GGUF states them, not as transformers read them: %s", path,
+                    ", ".join(f"{k} {read} -> {tid}" for k, (read, tid) in corrected.items()))
     with torch.device("meta"):  # no random init of weights that are overwritten at once
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(load_gguf_state(path, model), strict=False, assign=True)
@@ -129,7 +172,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float3
     record = {"source": str(gguf_path), "sha256": digest, "bytes": path.stat().st_size, "dtype": dtype,
               "model_type": config.model_type, "tensors": len(model.state_dict()),
               "parameters": sum(p.numel() for p in model.parameters()), "tokenizer_tokens": len(tokenizer),
-              "seconds": None}
+              "special_token_ids": special, "special_tokens_corrected": corrected, "seconds": None}
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         generation.save_pretrained(tmp)
