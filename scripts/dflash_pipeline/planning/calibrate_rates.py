@@ -159,15 +159,6 @@ def measure_train(args, hidden: str, meas: str, process_start_s: float) -> dict:
                    f" the first {W} (warm-up, compilation) left out"}
 
 
-def cut_prompts(path: str, most: int = 64) -> list[list[int]]:
-    """Prompts as the evaluator cuts them (each sample before its first supervised token) from a token shard."""
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path, columns=["input_ids", "loss_mask"]).slice(0, most).to_pylist()
-    prompts = [r["input_ids"][: r["loss_mask"].index(1)] for r in table if 1 in r["loss_mask"]]
-    return [p for p in prompts if p] or [r["input_ids"][:1] for r in table[:1]]
-
-
 def run(args) -> int:
     age = process_age_s()
     os.makedirs(args.work_dir, exist_ok=True)
@@ -181,8 +172,7 @@ def run(args) -> int:
             result["train"] = measure_train(args, hidden, meas, extract["process_start_s"])
             _free_gpu()
             result["evaluate"] = evaluate_rates.timed_measure(
-                args.model, storage.read_json(os.path.join(args.work_dir, "train", "drafter_config.json")),
-                cut_prompts(meas))
+                args.model, storage.read_json(os.path.join(args.work_dir, "train", "drafter_config.json")), meas)
     finally:
         shutil.rmtree(args.work_dir, ignore_errors=True)
     storage.write_json(args.out, result)

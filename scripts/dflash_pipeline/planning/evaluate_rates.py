@@ -19,19 +19,23 @@ import time
 
 LADDER = (1, 64)    # batch sizes timed
 STEPS = (8, 24)     # two runs per batch and kind: the difference is the steps' time, without prefill and set-up
+PROMPTS = 64        # samples of the measured token shard taken as prompts
 
 
-def measure(model_dir: str, drafter_config: dict, prompts: list[list[int]]) -> dict:
+def measure(model_dir: str, drafter_config: dict, token_shard: str) -> dict:
     """{"plain_step_s": {batch: s}, "speculative_step_s": {...}, "setup_s": s, "device"}: seconds per decode step
-    (graph-captured on a GPU) and one decoder's set-up, on `prompts` (repeated to fill a batch)."""
+    (graph-captured on a GPU) and the longest decoder set-up, on the first PROMPTS samples of `token_shard` cut as
+    the evaluator cuts its held-out prompts (repeated to fill a batch)."""
     import torch
 
     from dflash_pipeline.drafter.batched_decoding import BatchDecoder
     from dflash_pipeline.drafter.config import DrafterConfig
+    from dflash_pipeline.drafter.evaluate import held_out_prompts
     from dflash_pipeline.drafter.model import DFlashDrafter
     from dflash_pipeline.drafter.target_head import load_target_head
     from dflash_pipeline.target import load_model
 
+    prompts = [p["prompt"] for p in held_out_prompts([token_shard], 1.0, PROMPTS)]  # fraction 1: every sample
     target = load_model(model_dir)
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
@@ -52,7 +56,8 @@ def measure(model_dir: str, drafter_config: dict, prompts: list[list[int]]) -> d
 
 
 def step_time(table: dict, batch: int) -> float:
-    """Seconds per step at `batch`, linear through the two nearest measured batch sizes (JSON keys are text)."""
+    """Seconds per step at `batch`, linear through the smallest and the largest measured batch size, never below
+    the smallest's (JSON keys are text)."""
     points = sorted((int(b), float(s)) for b, s in table.items())
     (b0, s0), (b1, s1) = (points[0], points[-1]) if len(points) > 1 else (points[0], points[0])
     if b1 == b0:
@@ -92,11 +97,11 @@ def project(evaluate: dict, samples: float, rates: dict) -> dict:
                                          "the trained drafter (an upper bound: a better drafter takes fewer steps)"}
 
 
-def timed_measure(model_dir: str, drafter_config: dict, prompts: list[list[int]]) -> dict:
+def timed_measure(model_dir: str, drafter_config: dict, token_shard: str) -> dict:
     """measure(), or what stopped it (the plan then leaves evaluation unprojected; the other rates stand)."""
     t0 = time.perf_counter()
     try:
-        result = measure(model_dir, drafter_config, prompts)
+        result = measure(model_dir, drafter_config, token_shard)
     except Exception as exc:  # noqa: BLE001 - a rate not measured is named, the calibration goes on
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
     return {**result, "seconds": round(time.perf_counter() - t0, 2)}
