@@ -260,6 +260,14 @@ def shim_bin(w: Path) -> Path:
     return b
 
 
+def median_train_rate(metrics: Path) -> tuple[float | None, int]:
+    """(median tokens/s over our trainer's logged records after the first two (warm-up), records) of a
+    metrics.jsonl."""
+    recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+    tps = [r["tokens_per_s"] for r in recs[2:]] or [r["tokens_per_s"] for r in recs]
+    return (statistics.median(tps) if tps else None), len(recs)
+
+
 def stage_workflow(a) -> None:
     """The real Snakefile, up to `a.until` (a results path, or all); Snakemake itself skips finished jobs."""
     import yaml
@@ -311,9 +319,7 @@ def collect_workflow(results: Path, out: Path) -> None:
     gen_wall = sum(r.get("wall_s", 0) for r in runs)
     stats = sorted(str(p) for p in (results / "hidden").glob("*.stats.json"))  # extract's per-shard stats
     ext = [read_json(p) for p in stats]
-    metrics = results / "train" / "drafter" / "metrics.jsonl"
-    recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
-    tps = [r["tokens_per_s"] for r in recs[2:]] or [r["tokens_per_s"] for r in recs]
+    rate, records = median_train_rate(results / "train" / "drafter" / "metrics.jsonl")
     write_json(out / "workflow.json", {
         "rule_seconds": rules,
         "generate": {"shards": len(runs), "completion_tokens": gen_tokens, "wall_s": gen_wall,
@@ -321,7 +327,7 @@ def collect_workflow(results: Path, out: Path) -> None:
                      "samples": sum(r.get("ok", 0) for r in runs)},
         "extract": [{k: e.get(k) for k in ("shard", "tokens", "tokens_per_s", "seconds")} for e in ext if e and "tokens" in e],
         "train": {"summary": read_json(results / "train" / "drafter" / "summary.json"),
-                  "median_tokens_per_s": statistics.median(tps) if tps else None, "records": len(recs)},
+                  "median_tokens_per_s": rate, "records": records},
         "drafter_config": read_json(results / "train" / "drafter" / "drafter_config.json"),
         "evaluate": read_json(results / "evaluate" / "report.json"),
     })
@@ -673,7 +679,8 @@ def stage_variants(a) -> None:
            out / f"train_{name}.log")
         sh(cli + ["export", "--drafter", d / "train", "--model", target_dir(w), "--out", d / "drafter",
                   "--settings", json.dumps({"dtype": "bfloat16"})], out / f"export_{name}.log")
-        write_json(out / f"{name}_run.json", {"wall_s": round(time.perf_counter() - t, 1), "settings": change})
+        write_json(out / f"{name}_run.json", {"wall_s": round(time.perf_counter() - t, 1), "settings": change,
+                                              "median_tokens_per_s": median_train_rate(d / "train" / "metrics.jsonl")[0]})
 
 
 # ------------------------------------------------------------------------------------------------ compat
@@ -721,11 +728,8 @@ def steady_rate(kind: str, out: Path, recipe_: dict) -> float | None:
     """Steady-state training tokens/s from each trainer's own log (median over logged steps after warm-up)."""
     if kind == "ours":
         return ((read_json(out / "workflow.json", {}) or {}).get("train") or {}).get("median_tokens_per_s")
-    if kind in VARIANT_RUNS:  # our train log: "... N tok/s ..." every log_every steps
-        vals = [float(v) for v in re.findall(r" ([0-9.]+) tok/s ", (out / f"train_{kind}.log").read_text(errors="replace"))] \
-            if (out / f"train_{kind}.log").exists() else []
-        vals = vals[3:] or vals
-        return statistics.median(vals) if vals else None
+    if kind in VARIANT_RUNS:
+        return (read_json(out / f"{kind}_run.json", {}) or {}).get("median_tokens_per_s")
     path = out / f"train_{kind}.log"
     if not path.exists():
         return None
