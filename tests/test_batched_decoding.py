@@ -12,7 +12,7 @@ from dflash_pipeline.drafter.batched_rules import BatchedGreedy, BatchedSampling
 from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.decode_sets import decode_all
 from dflash_pipeline.drafter.evaluate import context_room, fit_prompts
-from dflash_pipeline.drafter.lossless import classify, lossless_report, tie_tolerance
+from dflash_pipeline.drafter.lossless import NOISE_CAP_ULPS, classify, lossless_report, tie_tolerance, ulp
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.speculative import greedy_generate, speculative_generate
 from dflash_pipeline.drafter.target_head import TargetHead
@@ -111,11 +111,12 @@ def twin_rows():
     return target, head, drafter, prompt, a
 
 
-def _with_b_shifted(target, prompt, delta, **speculative):
+def _with_b_shifted(target, prompt, delta, noise=None, **speculative):
     """One decoding of `prompt` (plain greedy, or speculative given drafter= and head=) with the target's logit
-    for B = VOCAB-1 moved by `delta`."""
+    for B = VOCAB-1 moved by `delta` (and every logit by `noise`, a vector over the vocabulary, when given)."""
     b = VOCAB - 1
-    hook = target.lm_head.register_forward_hook(lambda m, i, out: out + delta * (torch.arange(VOCAB) == b))
+    shift = delta * (torch.arange(VOCAB) == b) + (0 if noise is None else noise)
+    hook = target.lm_head.register_forward_hook(lambda m, i, out: out + shift)
     try:
         rows, _ = decode_all(target, [prompt], MAX_NEW, set(), **speculative)
     finally:
@@ -176,6 +177,32 @@ def test_a_three_way_tie_within_the_resolution_is_a_tie(twin_rows):
     assert lost["numerical_ties"] == 0 and len(lost["lossless_failures"]) == 1
     failure = lost["lossless_failures"][0]
     assert failure["plain_gap"] is None or failure["plain_gap"] > failure["tolerance"]
+
+
+def test_a_flip_beyond_the_ulps_is_a_tie_only_within_the_positions_own_noise(twin_rows):
+    """The H100 case: the pair's margin moved beyond the 4-ulp tolerance while the other tokens' logits moved
+    between the two forwards about as far (the flip within 2x their spread): a tie. In float32 on this CPU the
+    two forwards' own rounding already spreads the others by ~14 ulps, so the flip here is 50 ulps and the added
+    noise +-20 ulps. The same flip with no added noise is a failure, and so is a large flip within a spread that
+    is no longer rounding (+-100 ulps: over the 64-ulp cap)."""
+    target, head, drafter, prompt, a = twin_rows
+    spec = decode_all(target, [prompt], MAX_NEW, set(), drafter=drafter, head=head)[0][0]
+    i = spec.tokens.index(a)
+    u = ulp("float32", spec.top1[i])
+    sign = torch.where(torch.arange(VOCAB) % 2 == 0, 1.0, -1.0)
+    sign[[a, VOCAB - 1]] = 0.0  # the pair in question moves by delta alone
+
+    def found(delta_ulps, noise_ulps):
+        plain = _with_b_shifted(target, prompt, delta_ulps * u, noise=noise_ulps * u * sign)
+        return classify(spec, plain, "float32", 0.0)
+
+    noisy = found(50, 20)
+    assert noisy["position"] == i and noisy["plain_gap"] > noisy["tolerance"]  # the ulp rule alone fails it
+    assert 25 * u <= noisy["drift_range"] <= NOISE_CAP_ULPS * u and noisy["tie"]
+    still = found(50, 0)
+    assert still["position"] == i and still["drift_range"] < 25 * u and not still["tie"]
+    wild = found(400, 100)
+    assert wild["position"] == i and wild["drift_range"] > NOISE_CAP_ULPS * u and not wild["tie"]
 
 
 class KeepsOneRejectedDraft(BatchedGreedy):
