@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from dflash_pipeline.hidden_states.capture import find_decoder_layers
-from dflash_pipeline.hidden_states.extract import COMPILE_MIN_TOKENS, ExtractSettings, extract_shard, should_compile
+from dflash_pipeline.hidden_states.compile_choice import COMPILE_MIN_TOKENS, should_compile
+from dflash_pipeline.hidden_states.extract import ExtractSettings, extract_shard
 
 SHAPES = {  # transformers config kwargs; the 135M is SmolLM2-135M-Instruct's (issue 17's real target)
     "smollm2-135m": ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

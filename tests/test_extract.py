@@ -278,7 +278,7 @@ def test_compile_auto_compiles_only_what_amortises_it():
     """compile=auto: never on CPU; on a GPU only for a shard with enough tokens to amortise the compilation (a
     640-sequence shard of the 135M target, 337K tokens, ran 2.8x slower compiled on the H200; 3.2M, 1.3x slower);
     true/false are obeyed as given."""
-    from dflash_pipeline.hidden_states.extract import COMPILE_MIN_TOKENS, should_compile
+    from dflash_pipeline.hidden_states.compile_choice import COMPILE_MIN_TOKENS, should_compile
 
     assert not should_compile("auto", "cpu", 10 ** 12)
     assert not should_compile("auto", "cuda", 336_707) and not should_compile("auto", "cuda", 3_202_759)

@@ -55,6 +55,29 @@ def test_measured_rates_are_used_and_labelled():
     assert "ASSUMED (cost model" in render(modelled, SHAPE, [0, 1])
 
 
+def test_the_plan_takes_the_extraction_mode_its_jobs_will_take():
+    """calibrate-rates times eager and compiled extraction on a GPU (compile=auto); the plan projects each job in
+    the mode that job will choose by its own tokens (the H100 run of stop 36: calibrated compiled, ran eager)."""
+    from dflash_pipeline.hidden_states.compile_choice import COMPILE_MIN_TOKENS
+
+    modes = {"eager": {"tok_s": 120_000.0, "startup_s": 12.0, "how": "eager"},
+             "compiled": {"tok_s": 480_000.0, "startup_s": 35.0, "how": "compiled"}}
+    rates = {"device": "NVIDIA H100", "extract": {**modes["compiled"], "modes": modes},
+             "train": {"tok_s": 250.0, "startup_s": 30.0}}
+
+    def plan(samples, jobs, compile_setting="auto"):
+        return make_plan(_tok(samples, 100, 60), SHAPE, [0, 1], generate={"enabled": False},
+                         tokenize={"max_length": 3072}, extract={"codec": "zstd", "compile": compile_setting},
+                         train={"epochs": 1}, rates=rates, extract_jobs=jobs)
+
+    small = plan(12_000, 6)  # 200K tokens a job: eager
+    assert small["extract_tok_s"] == 120_000 and small["extract_startup_s"] == 12.0
+    assert abs(small["extract_gpu_hours"] * 3600 - (6 * 12.0 + 1_200_000 / 120_000)) < 1e-9
+    big = plan(COMPILE_MIN_TOKENS // 100, 1)  # one job of COMPILE_MIN_TOKENS tokens: compiled
+    assert big["extract_tok_s"] == 480_000 and "compiled" in big["extract_tok_s_source"]
+    assert plan(COMPILE_MIN_TOKENS // 100, 1, compile_setting=False)["extract_tok_s"] == 120_000
+
+
 def test_evaluation_is_projected_from_the_measured_decode_steps(tmp_path):
     """Prompt sets in batches, a decoder's set-up per batch and run, max_new_tokens steps a run (tau 1, stated),
     step times linear in the batch between the measured sizes, the speed-up prompts at batch 1, the target's load
@@ -141,3 +164,25 @@ def test_a_corpus_smaller_than_warm_up_plus_measurement_is_still_measured(tmp_pa
     assert (tokens(warm), tokens(measure)) == (1000, 3000)
     warm, measure = draw_samples([str(tmp_path / "t.parquet")], 1000, 1000, str(tmp_path))
     assert (tokens(warm), tokens(measure)) == (1000, 1000)
+
+
+def test_a_slot_engine_job_pays_its_drain_and_a_server_job_does_not():
+    """The hf slot engine's captured step costs the same however few rows remain, so a job loses about half of
+    its last round (the longest answer's steps at capacity / rate a step); a job smaller than one round lasts the
+    longest answer. Stop 36's H100 shape: 2,048 slots at 30.4K tok/s, answers up to 256 tokens, one job of
+    599K tokens."""
+    from dflash_pipeline.planning.projection import RunShape, drain_seconds, project_generation
+
+    step = 2048 / 30_400
+    assert abs(drain_seconds(2048, 30_400, 256, 599_000) - 0.5 * 256 * step) < 1e-9
+    assert abs(drain_seconds(2048, 30_400, 256, 100_000) - (256 * step - 100_000 / 30_400)) < 1e-9
+    assert drain_seconds(0, 30_400, 256, 599_000) == 0.0
+    cal = {"output_tokens": {"mean": 200.0, "max": 256}, "throughput": {"output_tok_s": 30_400.0},
+           "startup_s": 21.0, "requests": {"samples": 2048}, "engine": {"capacity": 2048},
+           "settings": {"backend": "hf"}}
+    shape = RunShape(samples=3000, jobs=1, parallel_jobs=1, gpus_per_job=1, max_new_tokens=256)
+    hf = project_generation(cal, shape)
+    assert hf["drain_s"] == drain_seconds(2048, 30_400, 256, 600_000) and hf["startup_s"] == 21.0
+    assert abs(hf["job_hours"] * 3600 - (21.0 + hf["drain_s"] + 600_000 / 30_400)) < 1e-9
+    served = project_generation({**cal, "settings": {"backend": "sglang"}}, shape)
+    assert served["drain_s"] == 0.0 and abs(served["job_hours"] * 3600 - (21.0 + 600_000 / 30_400)) < 1e-9

@@ -27,6 +27,7 @@ from dflash_pipeline.compile_profile import name_compiled_workload
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.hidden_states.batching import Batch, copy_to_host, to_host_layout, token_budget_batches
 from dflash_pipeline.hidden_states.capture import LayerCapture
+from dflash_pipeline.hidden_states.compile_choice import should_compile
 from dflash_pipeline.hidden_states.host_pipeline import HostPipeline
 from dflash_pipeline.hidden_states.layout import CODECS, STORED_DTYPES
 from dflash_pipeline.hidden_states.writer import HiddenStateShardWriter
@@ -115,20 +116,6 @@ def check_token_range(path: str, tokens: TokenShard, rows: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ phases
-
-
-# compile=auto compiles a shard of at least this many tokens (benchmarks/extract_compile_auto.py, docs/extraction.md):
-# compilation costs seconds to tens of seconds whatever the shard; it paid back from ~5.2M tokens on the 135M
-# SmolLM2 shape (H200: eager 494K tok/s launch-bound, compiled ~2.4M tok/s, +8 s to compile) and ~2.4M on the
-# Qwen3-8B shape (1.3x, ~25 s); a 640-sequence shard of the 135M ran 2.8x slower compiled
-COMPILE_MIN_TOKENS = 5_000_000
-
-
-def should_compile(setting, device: str, tokens: int) -> bool:
-    """compile=auto: on a GPU, for a shard with enough tokens to amortise the compilation."""
-    if setting != "auto":
-        return bool(setting)
-    return device.startswith("cuda") and tokens >= COMPILE_MIN_TOKENS
 
 
 def _layer_ids(model, settings: ExtractSettings) -> list[int]:

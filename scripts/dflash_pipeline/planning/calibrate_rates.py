@@ -23,6 +23,7 @@ import time
 from dflash_pipeline import storage
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.planning import evaluate_rates
+from dflash_pipeline.process_clock import process_age_s
 
 log = logging.getLogger(__name__)
 TOKEN_COLUMNS = ["sample_id", "input_ids", "loss_mask", "length", "num_loss_tokens", "truncated"]
@@ -40,18 +41,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-train", action="store_true", help="measure extraction only")
     p.add_argument("--work-dir", required=True, help="scratch directory (removed at the end)")
     p.add_argument("--out", required=True, help="the rates (JSON)")
-
-
-def process_age_s() -> float:
-    """Seconds since this process started (python and its imports included); 0 where /proc cannot tell."""
-    try:
-        with open("/proc/self/stat") as fh:
-            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as fh:
-            uptime = float(fh.read().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def draw_samples(paths: list[str], warmup_tokens: int, measure_tokens: int, out_dir: str) -> tuple[str, str]:
@@ -95,29 +84,43 @@ def _stage_args(stage: str, argv: list[str]) -> argparse.Namespace:
 
 
 def measure_extract(args, warm: str, meas: str, model_age_s: float) -> tuple[dict, str]:
+    """Extraction's rate and start-up per job, in the mode the run's jobs take: compile=auto decides per job by
+    its tokens, which after regeneration the plan knows and this job does not, so on a GPU both modes are timed
+    (eager first, then compiled) and the plan picks (rates.extract_rate). The top-level figures are the mode
+    these source shards' jobs would take."""
     from dflash_pipeline.hidden_states import extract as ex
 
     eargs = _stage_args("extract", ["--tokens", warm, "--model", args.model, "--out", "x", "--settings",
                                     args.extract_settings])
     settings = ex.settings_from_args(eargs)
-    shard_tokens = _mean_shard_tokens(args.tokens)
     device = ex.target.resolve_device(settings.device)
-    compiled = ex.should_compile(settings.compile, device, shard_tokens * max(1, args.shards_per_job))
+    job_tokens = _mean_shard_tokens(args.tokens) * max(1, args.shards_per_job)
+    if settings.compile == "auto" and device.startswith("cuda"):
+        modes = [False, True]  # eager first: compiling changes the loaded model's layers for good
+    else:
+        modes = [ex.should_compile(settings.compile, device, job_tokens)]
     t0 = time.perf_counter()
     model = ex.load_target(args.model, settings)
     load_s = time.perf_counter() - t0
-    outs = [os.path.join(args.work_dir, f"{n}.dfhs") for n in ("warmup", "measure")]
-    stats = ex.extract_shards([warm, meas], args.model, outs, ex.dataclasses.replace(settings, compile=compiled),
-                              model=model)
-    w, m = stats
-    rate = m["this_run"]["tokens"] / m["seconds"]  # the whole shard call: batches, encoding, the file's close
-    warm_extra = max(0.0, w["seconds"] - w["this_run"]["tokens"] / rate)
+    timed, hidden = {}, None
+    for compiled in modes:
+        name = "compiled" if compiled else "eager"
+        outs = [os.path.join(args.work_dir, f"{n}-{name}.dfhs") for n in ("warmup", "measure")]
+        w, m = ex.extract_shards([warm, meas], args.model, outs, ex.dataclasses.replace(settings, compile=compiled),
+                                 model=model)
+        rate = m["this_run"]["tokens"] / m["seconds"]  # the whole shard call: batches, encoding, the file's close
+        warm_extra = max(0.0, w["seconds"] - w["this_run"]["tokens"] / rate)  # compilation included
+        timed[name] = {"tok_s": rate, "startup_s": model_age_s + load_s + warm_extra, "tokens": m["this_run"]["tokens"],
+                       "warmup_excess_s": round(warm_extra, 3),
+                       "how": f"{m['this_run']['tokens']:,} tokens after a {w['this_run']['tokens']:,}-token warm-up "
+                              f"shard, {name}"}
+        hidden = outs[1]
     del model
-    return {"tok_s": rate, "startup_s": model_age_s + load_s + warm_extra, "tokens": m["this_run"]["tokens"],
-            "load_s": round(load_s, 3), "process_start_s": round(model_age_s, 3),
-            "warmup_excess_s": round(warm_extra, 3), "compiled": compiled,
-            "how": f"{m['this_run']['tokens']:,} tokens after a {w['this_run']['tokens']:,}-token warm-up shard, "
-                   f"{'compiled' if compiled else 'eager'}"}, outs[1]
+    chosen = "compiled" if ex.should_compile(settings.compile, device, job_tokens) else "eager"
+    if chosen not in timed:
+        chosen = next(iter(timed))
+    return {**timed[chosen], "load_s": round(load_s, 3), "process_start_s": round(model_age_s, 3),
+            "compiled": chosen == "compiled", "compile_setting": settings.compile, "modes": timed}, hidden
 
 
 def _mean_shard_tokens(paths: list[str]) -> float:

@@ -30,7 +30,7 @@ from dflash_pipeline.planning.projection import (
     RunShape, assumed_calibration, fmt_hours, gate_failures, project_generation, render_generation,
 )
 from dflash_pipeline.planning.rates import (
-    measured_rate, modelled_extract, modelled_train, stage_time, trained_positions_per_token,
+    extract_rates_for_jobs, measured_rate, modelled_extract, modelled_train, stage_time, trained_positions_per_token,
 )
 from dflash_pipeline.target_layers import resolve_target_layer_ids
 
@@ -196,7 +196,9 @@ def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: di
                  "hidden_bytes_raw": plan["extract_tokens"] * per_token_raw,
                  "hidden_bytes": plan["extract_tokens"] * per_token_raw * ratio,
                  "hidden_bytes_fp8": plan["extract_tokens"] * per_token_raw * DEFAULT_RATIO["fp8"]})
-    rate = _extract_rate(measured_run, rates, gpu_tok_s, shape, layer_ids, extract)
+    job_tokens = plan["extract_tokens"] / max(1, extract_jobs)
+    job_rates = extract_rates_for_jobs(rates, extract.get("compile", "auto"), job_tokens)
+    rate = _extract_rate(measured_run, job_rates, gpu_tok_s, shape, layer_ids, extract)
     timing = stage_time(plan["extract_tokens"], rate, max(1, extract_jobs))
     plan.update({"extract_tok_s": rate["tok_s"], "extract_tok_s_source": rate["basis"],
                  "extract_startup_s": rate["startup_s"], "extract_jobs": timing["jobs"],

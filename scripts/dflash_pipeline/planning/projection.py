@@ -53,13 +53,27 @@ def _timing(shape: RunShape, tokens: float, rate: float, startup_s: float, runni
             "cost_usd": gpu_h * shape.gpu_hour_usd if shape.gpu_hour_usd else None}
 
 
+def drain_seconds(capacity: float, rate: float, longest: float, tokens_per_job: float) -> float:
+    """The time a job loses at its end, when its last rows decode in a pool that no longer fills: a step costs
+    about the same however few rows it carries (capacity / rate seconds), the last round lasts the longest answer
+    (`longest` steps), and its rows have on average half their answers left, so about half that round is lost.
+    A job smaller than one round lasts the longest answer whatever its tokens."""
+    if capacity <= 0 or rate <= 0 or longest <= 0:  # (a server's step grows cheaper as it empties: no figure)
+        return 0.0
+    step = capacity / rate
+    return max(0.5 * longest * step, longest * step - tokens_per_job / rate)
+
+
 def project_generation(cal: dict, shape: RunShape) -> dict:
     """Expected output tokens, wall time, GPU-hours and cost of the full generation, with sensitivity."""
     out = cal["output_tokens"]
     mean = float(out["mean"])
     rate = float(cal["throughput"]["output_tok_s"])
-    startup = float(cal.get("startup_s") or 0.0)
     tokens = shape.samples * mean
+    slots = (cal.get("settings") or {}).get("backend") == "hf"  # a fixed-width captured step: same cost when emptying
+    capacity = float((cal.get("engine") or {}).get("capacity") or 0) if slots else 0.0
+    drain = drain_seconds(capacity, rate, float(out.get("max") or 0), tokens / max(1, shape.jobs))
+    startup = float(cal.get("startup_s") or 0.0) + drain  # what each job pays besides its tokens at the rate
     proj = {
         "basis": "ASSUMED figures" if cal.get("assumed") else "measured (calibration)",
         "assumed": bool(cal.get("assumed")), "calibrated_samples": cal["requests"]["samples"],
@@ -67,7 +81,7 @@ def project_generation(cal: dict, shape: RunShape) -> dict:
         "samples": shape.samples, "mean_output_tokens": mean, "expected_output_tokens": tokens,
         "max_output_tokens": shape.samples * shape.max_new_tokens,
         "output_tok_s_per_job": rate, "output_tok_s_per_gpu": rate / shape.gpus_per_job if shape.gpus_per_job else None,
-        "startup_s": startup, "jobs": shape.jobs, "parallel_jobs": min(shape.jobs, shape.parallel_jobs),
+        "startup_s": startup - drain, "drain_s": drain, "jobs": shape.jobs, "parallel_jobs": min(shape.jobs, shape.parallel_jobs),
         "gpus_per_job": shape.gpus_per_job, "gpu_hour_usd": shape.gpu_hour_usd,
         "finish_length_rate": cal.get("finish_length_rate"), "failure_rate": cal.get("failure_rate"),
         "assumed_basis": cal.get("assumed_basis"),
@@ -109,7 +123,7 @@ def alternatives(cal: dict, shape: RunShape, tokens: float, rate: float, startup
     share = shape.jobs * startup / max(shape.jobs * startup + tokens / max(rate, 1e-9), 1e-9)
     if shape.jobs > 1 and share >= 0.01:
         alts.append({"change": f"fewer server start-ups (raise generate.shards_per_job): {shape.jobs} jobs pay "
-                               f"{startup:.0f} s each", "wall_hours": None, "gpu_hours": None, "cost_usd": None,
+                               f"{startup:.0f} s each (start-up and drain)", "wall_hours": None, "gpu_hours": None, "cost_usd": None,
                      "note": f"{share:.0%} of the job time above"})
     return alts
 
@@ -148,7 +162,9 @@ def render_generation(proj: dict) -> list[str]:
         f"    rate: {f(proj['output_tok_s_per_job'])} output tok/s per job{per_gpu}"
         + ("" if proj.get("steady_state") else " - a lower bound (the calibration did not load the engine as the "
                                               "run will; see its basis)")
-        + f"; start-up {proj['startup_s']:.0f} s per job",
+        + f"; start-up {proj['startup_s']:.0f} s"
+        + (f" and drain {proj['drain_s']:.0f} s (the last round's unfilled slots)" if proj.get("drain_s") else "")
+        + " per job",
         f"    wall time: {fmt_hours(proj['wall_hours'])} with {proj['parallel_jobs']} of {proj['jobs']} job(s) at a "
         f"time; {proj['gpu_hours']:,.1f} GPU-hours{cost}",
         "    sensitivity: " + "; ".join(f"{k}: {fmt_hours(v['wall_hours'])}" for k, v in proj["sensitivity"].items()),

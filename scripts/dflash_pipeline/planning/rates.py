@@ -87,6 +87,20 @@ def measured_rate(rates: dict | None, stage: str) -> dict | None:
             "basis": f"measured on {rates.get('device', '?')} ({part.get('how', 'calibrate-rates')})"}
 
 
+def extract_rates_for_jobs(rates: dict | None, compile_setting, job_tokens: float) -> dict | None:
+    """`rates` with its extraction figures in the mode the run's jobs will take: calibrate-rates times eager and
+    compiled extraction on a GPU under compile=auto, and the jobs choose by their own tokens (known only here,
+    after the generation's projection), as hidden_states/extract.py does."""
+    from dflash_pipeline.hidden_states.compile_choice import should_compile
+
+    part = (rates or {}).get("extract") or {}
+    modes = part.get("modes") or {}
+    if len(modes) < 2:
+        return rates
+    chosen = "compiled" if should_compile(compile_setting, "cuda", job_tokens) else "eager"
+    return {**rates, "extract": {**part, **modes[chosen], "compiled": chosen == "compiled"}}
+
+
 def stage_time(tokens: float, rate: dict, jobs: int) -> dict:
     """A stage's job-seconds: every job pays its start-up, then the tokens at the rate."""
     seconds = jobs * rate["startup_s"] + tokens / max(rate["tok_s"], 1e-9)
