@@ -30,7 +30,7 @@ GENERATE_RUNTIME = {"max_retries": "max_retries", "empty_retries": "empty_retrie
 PLAN_KEYS = {
     "generate": ("enabled", "max_new_tokens", "parallel_jobs", "gpus", "shards_per_job", "assumed"),
     "tokenize": ("max_length",),
-    "extract": ("codec", "assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "shards_per_job"),
+    "extract": ("codec", "assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "shards_per_job", "compile"),
     "drafter": ("num_layers", "target_layer_ids"),
     "train": ("epochs", "mode", "num_anchors", "max_length"),
     "cost": ("gpu_hour_usd",),
