@@ -15,6 +15,7 @@ Only targets whose layers are all full attention with sdpa or eager attention ta
 
 from __future__ import annotations
 
+import gc
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -69,8 +70,16 @@ class StepGraph:
                     fn()
             torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                fn()
+            # no garbage collection inside the capture: freeing an earlier graph there (a decoder or a compiled
+            # training step left in a reference cycle; torch no longer collects before a capture) invalidates it
+            # (H100, stop 37: "operation not permitted when stream is capturing (function reset)")
+            gc.collect()
+            gc.disable()
+            try:
+                with torch.cuda.graph(self.graph):
+                    fn()
+            finally:
+                gc.enable()
 
     def __call__(self) -> None:
         if self.graph is not None:
@@ -289,6 +298,7 @@ class BatchDecoder:
         if self.cap is not None:
             self.cap.remove()
             self.cap = None
+        self.step = None  # the captured step refers back to this decoder: freed now, not by a later collection
 
 
 def _sync(device: torch.device) -> None:
