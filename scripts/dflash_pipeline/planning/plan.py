@@ -217,6 +217,7 @@ def _evaluation_part(plan: dict, evaluate: dict | None, rates: dict | None) -> d
     measured = (rates or {}).get("evaluate") or {}
     if evaluate is None or not measured or "error" in measured:
         why = measured.get("error") or "no decode steps measured (cost.calibrate_rates)"
+        why = why.strip().splitlines()[0]  # the error's first line (the whole is in rates.json)
         return {"evaluate_hours": None, "evaluate_basis": f"not projected: {why}"}
     got = evaluate_rates.project(evaluate, plan["samples"], rates)
     return {"evaluate_hours": got["seconds"] / 3600, "evaluate_basis": got["basis"]}
