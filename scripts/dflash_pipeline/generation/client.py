@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
 
+from dflash_pipeline import settings
 from dflash_pipeline.data.conversations import SAMPLE_SCHEMA, TOOL_FIELDS, sample_tools
 from dflash_pipeline.errors import PipelineError
 
@@ -76,12 +77,14 @@ class FatalError(PipelineError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 2048
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 20
-    enable_thinking: bool = True
-    seed: int | None = None  # the run's base seed; each request carries a seed derived from its sample id
+    """What each request asks for (config `generate:`; every default is the schema's)."""
+
+    max_new_tokens: int = settings.field("generate.max_new_tokens")
+    temperature: float = settings.field("generate.temperature")
+    top_p: float = settings.field("generate.top_p")
+    top_k: int = settings.field("generate.top_k")
+    enable_thinking: bool = settings.field("generate.enable_thinking")
+    seed: int | None = settings.field("generate.seed")  # the run's base seed; each request's derives from its id
 
     def to_json(self, **extra) -> str:
         return json.dumps({**asdict(self), **extra}, sort_keys=True)
@@ -112,13 +115,13 @@ class Completion:
 class Policy:
     """What the client does around each request (config `generate:`)."""
 
-    turns: str = "first"                     # first | all
-    on_length: str = "keep"                  # keep | drop | retry
-    length_retry_max_new_tokens: int = 0     # budget of the one retry when on_length == retry
-    max_retries: int = 8
+    turns: str = settings.field("generate.turns")                # first | all
+    on_length: str = settings.field("generate.on_length")        # keep | drop | retry
+    length_retry_max_new_tokens: int = settings.field("generate.length_retry_max_new_tokens")  # the one retry's
+    max_retries: int = settings.field("generate.max_retries")
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
-    empty_retries: int = 1
+    empty_retries: int = settings.field("generate.empty_retries")
 
     def backoff(self, attempt: int) -> float:
         """Exponential backoff with full jitter in [0.5, 1.5) x the step."""

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 
+from dflash_pipeline import settings
 from dflash_pipeline.generation.client import Completion
 from dflash_pipeline.generation.engines import HFEngine, capped_budget, with_tool_calls
 
@@ -36,11 +37,12 @@ class SlotEngine(HFEngine):
 
     def __init__(self, model_path: str, *, batch_size: int = 256, device: str = "cpu", dtype: str = "auto",
                  context_length: int | None = None, trust_remote_code: bool = False, threads: int | None = None,
-                 width: int = 0, max_new_tokens: int = 2048, refill: bool = True, capture: bool | None = None,
+                 width: int = 0, max_new_tokens: int | None = None, refill: bool = True, capture: bool | None = None,
                  decode_attention: str = "auto"):
         super().__init__(model_path, batch_size=batch_size, device=device, dtype=dtype, context_length=context_length,
                          trust_remote_code=trust_remote_code, threads=threads)
-        self.width, self.max_new_tokens, self.refill, self.capture = width, max_new_tokens, refill, capture
+        self.width, self.refill, self.capture = width, refill, capture
+        self.max_new_tokens = max_new_tokens or settings.default("generate.max_new_tokens")  # sizes the slots
         self.decode_attention = decode_attention  # live_attention.MODES; auto: the Triton kernel on a GPU
         self.scheduler = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from dflash_pipeline import storage
+from dflash_pipeline import settings, storage
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.planning import evaluate_rates
 from dflash_pipeline.planning.projection import (
@@ -116,7 +116,7 @@ def _generation_part(tok: dict, n: float, generate: dict, max_len: int, scale: f
                      jobs: int, cost: dict | None) -> dict:
     """Generation's numbers: the max_new_tokens bound, and with a calibration the projection and the
     extraction tokens from the measured answer lengths."""
-    max_new = int(generate.get("max_new_tokens", 2048))
+    max_new = int(generate.get("max_new_tokens") or settings.default("generate.max_new_tokens"))
     # regenerated samples: each prompt plus at most max_new new tokens, cut at max_length (upper bound)
     bound = sum(min(max_len, p + max_new) for p in tok["prompt_lengths"]) * scale
     part = {"generate_response_tokens_max": n * max_new, "extract_tokens": bound}

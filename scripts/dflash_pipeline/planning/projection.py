@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflash_pipeline import settings
+
 
 @dataclass(frozen=True)
 class RunShape:
@@ -33,15 +35,17 @@ def assumed_calibration(generate: dict) -> dict:
     with, marked ASSUMED everywhere it is shown. Without a mean answer length it takes max_new_tokens (a bound)."""
     assumed = generate.get("assumed") or {}
     gpus = max(1, int(generate.get("gpus") or 0))
-    per_gpu = float(assumed.get("output_tok_s_per_gpu") or 750.0)
-    mean = assumed.get("mean_output_tokens") or int(generate.get("max_new_tokens") or 2048)
+    assumed = {**settings.defaults("generate.assumed"), **{k: v for k, v in assumed.items() if v is not None}}
+    per_gpu = float(assumed["output_tok_s_per_gpu"])
+    mean = assumed["mean_output_tokens"] or int(generate.get("max_new_tokens")
+                                                or settings.default("generate.max_new_tokens"))
     return {
         "throughput": {"output_tok_s": per_gpu * gpus, "steady_state": True},
-        "output_tokens": {"mean": float(mean)}, "startup_s": float(assumed.get("startup_s", 300.0)),
+        "output_tokens": {"mean": float(mean)}, "startup_s": float(assumed["startup_s"]),
         "requests": {"samples": 0}, "assumed": True, "finish_length_rate": None, "failure_rate": None,
         "assumed_basis": f"{per_gpu:,.0f} output tok/s per GPU, {float(mean):,.0f} output tokens per sample"
                          + ("" if assumed.get("mean_output_tokens") else " (max_new_tokens: an upper bound)")
-                         + f", {float(assumed.get('startup_s', 300.0)):.0f} s start-up (config generate.assumed)",
+                         + f", {float(assumed['startup_s']):.0f} s start-up (config generate.assumed)",
     }
 
 
