@@ -17,6 +17,8 @@ import math
 import os
 import time
 
+from dflash_pipeline import settings
+
 LADDER = (1, 64)    # batch sizes timed
 STEPS = (8, 40)     # two runs per batch and kind: the difference is the steps' time, without prefill and set-up
 PROMPTS = 64        # samples of the measured token shard taken as prompts
@@ -77,8 +79,8 @@ def prompt_sets(evaluate: dict, samples: float) -> list[int]:
     question of the prompts file (its non-empty lines)."""
     from dflash_pipeline import package_paths
 
-    cap = int(evaluate.get("num_prompts") or 64)
-    sets = [min(cap, math.ceil(float(evaluate.get("holdout_fraction") or 0.02) * samples))]
+    cap = int(settings.value(evaluate, "evaluate.num_prompts"))
+    sets = [min(cap, math.ceil(float(settings.value(evaluate, "evaluate.holdout_fraction")) * samples))]
     path = package_paths.resolve(evaluate["prompts_file"], must_exist=False) if evaluate.get("prompts_file") else ""
     if path and os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
@@ -90,14 +92,15 @@ def project(evaluate: dict, samples: float, rates: dict) -> dict:
     """The evaluation job's seconds from the measured steps (rates["evaluate"]) and the target's load (the
     extraction job's, measured the same way): {"seconds", "steps", "basis"}."""
     ev, ex = rates["evaluate"], rates.get("extract") or {}
-    batch, max_new = int(evaluate.get("batch_size") or 32), int(evaluate.get("max_new_tokens") or 256)
+    batch = int(settings.value(evaluate, "evaluate.batch_size"))
+    max_new = int(settings.value(evaluate, "evaluate.max_new_tokens"))
     runs = 2 * len(evaluate.get("temperatures") or [0])  # trained and untrained, at each temperature
     seconds = float(ex.get("load_s") or 0.0) + float(ex.get("process_start_s") or 0.0)
     for n in prompt_sets(evaluate, samples):
         for size in [batch] * (n // batch) + ([n % batch] if n % batch else []):
             plain, spec = step_time(ev["plain_step_s"], size), step_time(ev["speculative_step_s"], size)
             seconds += (1 + runs) * ev["setup_s"] + max_new * (plain + runs * spec)
-    timed = int(evaluate.get("speedup_prompts") or 0)
+    timed = int(settings.value(evaluate, "evaluate.speedup_prompts"))
     seconds += timed * (2 * ev["setup_s"] + max_new * (step_time(ev["plain_step_s"], 1)
                                                        + step_time(ev["speculative_step_s"], 1)))
     return {"seconds": seconds, "basis": f"decode steps measured on {rates.get('device', '?')}; ASSUMED tau 1 for "

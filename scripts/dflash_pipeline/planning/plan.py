@@ -116,12 +116,12 @@ def _generation_part(tok: dict, n: float, generate: dict, max_len: int, scale: f
                      jobs: int, cost: dict | None) -> dict:
     """Generation's numbers: the max_new_tokens bound, and with a calibration the projection and the
     extraction tokens from the measured answer lengths."""
-    max_new = int(generate.get("max_new_tokens") or settings.default("generate.max_new_tokens"))
+    max_new = int(settings.value(generate, "generate.max_new_tokens"))
     # regenerated samples: each prompt plus at most max_new new tokens, cut at max_length (upper bound)
     bound = sum(min(max_len, p + max_new) for p in tok["prompt_lengths"]) * scale
     part = {"generate_response_tokens_max": n * max_new, "extract_tokens": bound}
     if calibration:
-        run_shape = RunShape(samples=n, jobs=max(1, jobs), parallel_jobs=int(generate.get("parallel_jobs") or 1),
+        run_shape = RunShape(samples=n, jobs=max(1, jobs), parallel_jobs=int(settings.value(generate, "generate.parallel_jobs")),
                              gpus_per_job=int(generate.get("gpus") or 0), max_new_tokens=max_new,
                              gpu_hour_usd=(cost or {}).get("gpu_hour_usd"))
         lengths = calibration["output_tokens"].get("per_sample_all") or [calibration["output_tokens"]["mean"]]
@@ -135,7 +135,7 @@ def _training_part(plan: dict, shape: dict, layer_ids, train: dict, usd: float |
     """Training tokens and GPU-hours: the rate measured on this GPU (calibrate-rates), else the cost model
     (rates.py: the drafter's layers and the LM head over the vocabulary per trained position, ASSUMED share of
     the peak); online training without a measurement adds the target's forward at the plan's extraction rate."""
-    epochs = int(train.get("epochs", 6))
+    epochs = int(settings.value(train, "train.epochs"))
     online = train.get("mode") == "online"
     rate = measured_rate(rates, "train")
     if rate is None:
@@ -180,7 +180,7 @@ def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: di
     """All the numbers of the plan (pure: testable without files). `scale` extrapolates the token files
     to a dataset `scale` times larger (plan a full run from a sample); `jobs`: generation jobs of the whole run."""
     n = tok["samples"] * scale
-    max_len = int(tokenize.get("max_length", 3072))
+    max_len = int(settings.value(tokenize, "tokenize.max_length"))
     prompt = (tok["tokens"] - tok["loss_tokens"]) * scale
     response_src = tok["loss_tokens"] * scale
     plan = {"samples": n, "source_tokens": tok["tokens"] * scale, "prompt_tokens": prompt,
@@ -318,14 +318,14 @@ def run(args) -> int:
     if calibration is None and args.assume_generation and gen_cfg.get("enabled"):
         calibration = assumed_calibration(gen_cfg)
     names = [os.path.basename(str(t)).removesuffix(".parquet") for t in args.tokens]
-    jobs = generation_jobs(names, int(gen_cfg.get("shards_per_job") or 1))
+    jobs = generation_jobs(names, int(settings.value(gen_cfg, "generate.shards_per_job")))
     jobs = round(jobs * args.scale)
     plan = make_plan(tok, shape, layer_ids, generate=gen_cfg, tokenize=cfg.get("tokenize") or {},
                      extract=extract_cfg, train=cfg.get("train"), measured_run=measured(args.hidden_stats),
                      scale=args.scale, gpu_tok_s=extract_cfg.get("assumed_tokens_per_s"), calibration=calibration,
                      jobs=jobs, cost=cfg.get("cost"), rates=storage.read_json(args.rates) if args.rates else None,
-                     extract_jobs=round(generation_jobs(names, int(extract_cfg.get("shards_per_job") or 1)) * args.scale),
-                     block_size=int((cfg.get("drafter") or {}).get("block_size") or 16),
+                     extract_jobs=round(generation_jobs(names, int(settings.value(extract_cfg, "extract.shards_per_job"))) * args.scale),
+                     block_size=int(settings.value(cfg.get("drafter"), "drafter.block_size")),
                      evaluate=({**cfg["evaluate"], **json.loads(args.evaluate_runtime or "{}")}
                                if cfg.get("evaluate") else None))
     text = render(plan, shape, layer_ids, disk_warn_bytes=float(extract_cfg.get("warn_bytes", TB)))

@@ -37,8 +37,7 @@ def assumed_calibration(generate: dict) -> dict:
     gpus = max(1, int(generate.get("gpus") or 0))
     assumed = {**settings.defaults("generate.assumed"), **{k: v for k, v in assumed.items() if v is not None}}
     per_gpu = float(assumed["output_tok_s_per_gpu"])
-    mean = assumed["mean_output_tokens"] or int(generate.get("max_new_tokens")
-                                                or settings.default("generate.max_new_tokens"))
+    mean = assumed["mean_output_tokens"] or int(settings.value(generate, "generate.max_new_tokens"))
     return {
         "throughput": {"output_tok_s": per_gpu * gpus, "steady_state": True},
         "output_tokens": {"mean": float(mean)}, "startup_s": float(assumed["startup_s"]),

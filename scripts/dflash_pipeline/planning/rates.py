@@ -17,6 +17,8 @@ A job's time is start-up + tokens / rate; jobs of one stage run one after anothe
 
 from __future__ import annotations
 
+from dflash_pipeline import settings
+
 # what the model assumes (one H200-class GPU, bf16 dense peak); each is printed with the plan
 ASSUMED = {
     "peak_tflops": 989.0,            # bf16 dense peak of an H100/H200 SXM
@@ -37,13 +39,13 @@ def extract_flops_per_token(shape: dict, layer_ids) -> float:
 
 def modelled_extract(shape: dict, layer_ids, extract: dict, assumed: dict = ASSUMED) -> dict:
     """Extraction tok/s and per-job start-up from the cost model (see the module's text)."""
-    budget = int(extract.get("token_budget") or 16384)
+    budget = int(settings.value(extract, "extract.token_budget"))
     layers_run = max(layer_ids) + 1 if layer_ids else shape["num_layers"]
     gpu_s = budget * extract_flops_per_token(shape, layer_ids) / (assumed["peak_tflops"] * 1e12 * assumed["extract_mfu"])
     gpu_s += layers_run * assumed["launch_s_per_layer"]
     gpu_rate = budget / gpu_s
     bytes_per_token = len(layer_ids) * shape["hidden_size"] * 2
-    host_rate = int(extract.get("encode_threads") or 8) * assumed["encode_bytes_per_s_per_thread"] / bytes_per_token
+    host_rate = int(settings.value(extract, "extract.encode_threads")) * assumed["encode_bytes_per_s_per_thread"] / bytes_per_token
     weights = 2.0 * (shape["active_params"] + shape.get("vocab_size", 0) * shape["hidden_size"])
     return {"tok_s": min(gpu_rate, host_rate), "startup_s": assumed["startup_s"] + weights / assumed["load_bytes_per_s"],
             "bound": "GPU" if gpu_rate <= host_rate else "host encoding", "basis": "ASSUMED (cost model)"}
@@ -66,8 +68,8 @@ def train_flops_per_position(shape: dict, drafter_layers: int) -> float:
 def trained_positions_per_token(mean_tokens: float, mean_answer_tokens: float, train: dict, block_size: int) -> float:
     """Block positions trained per data token: a sample trains min(num_anchors, its answer tokens) blocks of
     block_size positions (on the mean sample, cut at train.max_length)."""
-    anchors = int(train.get("num_anchors") or 512)
-    tokens = min(mean_tokens, int(train.get("max_length") or 3072))
+    anchors = int(settings.value(train, "train.num_anchors"))
+    tokens = min(mean_tokens, int(settings.value(train, "train.max_length")))
     return min(anchors, mean_answer_tokens) * block_size / tokens if tokens > 0 else 0.0
 
 

@@ -46,6 +46,13 @@ def default(path: str):
     return prop(path)["default"]
 
 
+def value(section: dict | None, path: str):
+    """`section`'s value for the dotted key's last part, or the schema's default where it has none (a section
+    the plan got in part, PLAN_KEYS, or a test's few keys): code never writes a default of its own."""
+    got = (section or {}).get(path.rsplit(".", 1)[1])
+    return default(path) if got is None else got
+
+
 def field(path: str):
     """A dataclass field whose default is the schema's (a stage's own options object, built without the CLI)."""
     return dataclasses.field(default_factory=lambda: copy.deepcopy(default(path)))
