@@ -21,6 +21,7 @@ import os
 import sys
 from collections import Counter
 
+from dflash_pipeline import settings
 from dflash_pipeline.data.audit_stats import AUDIT_FORMAT, TEXTS_KEPT, HashCounter, Histogram
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.storage import atomic_open, read_json, write_json
@@ -92,7 +93,7 @@ def aggregate(audit_paths: list[str], manifest: dict, min_repeats: int) -> dict:
 def _check_specs(agg: dict, thresholds: dict) -> list[tuple]:
     t, ingest = agg["totals"], agg["ingest"]["totals"]
     n, read = max(t.get("samples", 0), 1), max(ingest["records_read"], 1)
-    trivial_tokens = agg["settings"].get("trivial_tokens", thresholds.get("trivial_response_tokens", 6))
+    trivial_tokens = agg["settings"].get("trivial_tokens", settings.value(thresholds, "audit.trivial_response_tokens"))
     min_repeats = thresholds["placeholder_min_repeats"]
     placeholders = [a["answer"] for a in agg["top_answers"][:3] if a["samples"] >= min_repeats]
     specs = [

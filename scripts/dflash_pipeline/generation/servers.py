@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from dflash_pipeline import settings
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.generation import sglang_flags
 
@@ -75,7 +76,8 @@ def requests_in_flight(cfg: dict) -> int:
     dp_size x max_running_requests at once)."""
     if cfg.get("max_in_flight"):
         return int(cfg["max_in_flight"])
-    return int(cfg.get("max_running_requests") or 256) * int(cfg.get("dp_size") or 1)
+    return (int(settings.value(cfg, "generate.sglang.max_running_requests"))
+            * int(settings.value(cfg, "generate.sglang.dp_size")))
 
 
 def shown(command: list[str]) -> str:

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_pipeline import storage, target
+from dflash_pipeline import settings, storage, target
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.generation.client import Counters, FatalError, Policy, SamplingParams, generate_sample
 from dflash_pipeline.generation.journal import RECORD_FORMAT
@@ -365,12 +365,13 @@ def serving(args):
         command += ["--api-key", os.environ[API_KEY_ENV]]  # hidden in every logged command
     devices = args.devices or os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = [d for d in devices.split(",") if d.strip()] if devices else None
+    sglang = lambda key: settings.value(cfg, f"generate.sglang.{key}")  # noqa: E731 - the schema fills gaps
     args.max_in_flight = requests_in_flight(cfg)
     LOG.info("sglang: %d requests in flight per server (max_running_requests %s x dp_size %s, per DP replica)",
-             args.max_in_flight, cfg.get("max_running_requests") or "default", cfg.get("dp_size") or 1)
-    with launched_servers(command, instances=int(cfg.get("instances") or 1), devices=devices,
-                          log_dir=args.server_log_dir, startup_timeout_s=float(cfg.get("startup_timeout_s") or 1800),
-                          gpus_per_server=int(cfg.get("tp_size") or 1) * int(cfg.get("dp_size") or 1)) as urls:
+             args.max_in_flight, sglang("max_running_requests"), sglang("dp_size"))
+    with launched_servers(command, instances=int(sglang("instances")), devices=devices,
+                          log_dir=args.server_log_dir, startup_timeout_s=float(sglang("startup_timeout_s")),
+                          gpus_per_server=int(sglang("tp_size")) * int(sglang("dp_size"))) as urls:
         yield urls
 
 

@@ -189,7 +189,7 @@ def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: di
         plan.update(_generation_part(tok, n, generate, max_len, scale, calibration, jobs, cost))
     else:
         plan["extract_tokens"] = sum(min(max_len, L) for L in tok["lengths"]) * scale
-    codec = extract.get("codec", "zstd")
+    codec = settings.value(extract, "extract.codec")
     ratio = (measured_run or {}).get("ratio") or DEFAULT_RATIO.get(codec, 1.0)
     per_token_raw = len(layer_ids) * shape["hidden_size"] * 2
     plan.update({"codec": codec, "ratio": ratio, "bytes_per_token_raw": per_token_raw,
@@ -197,7 +197,7 @@ def make_plan(tok: dict, shape: dict, layer_ids, *, generate: dict, tokenize: di
                  "hidden_bytes": plan["extract_tokens"] * per_token_raw * ratio,
                  "hidden_bytes_fp8": plan["extract_tokens"] * per_token_raw * DEFAULT_RATIO["fp8"]})
     job_tokens = plan["extract_tokens"] / max(1, extract_jobs)
-    job_rates = extract_rates_for_jobs(rates, extract.get("compile", "auto"), job_tokens)
+    job_rates = extract_rates_for_jobs(rates, settings.value(extract, "extract.compile"), job_tokens)
     rate = _extract_rate(measured_run, job_rates, gpu_tok_s, shape, layer_ids, extract)
     timing = stage_time(plan["extract_tokens"], rate, max(1, extract_jobs))
     plan.update({"extract_tok_s": rate["tok_s"], "extract_tok_s_source": rate["basis"],
