@@ -103,7 +103,7 @@ def main() -> int:
     rates = work / "rates.json"
     cal_s = cli("calibrate-rates", "--tokens", *shards, "--model", target, "--extract-settings", json.dumps(ex),
                 "--train-settings", json.dumps(tr), "--shards-per-job", a.shards,
-                "--measure-tokens", 4000 if a.tiny else 131072, "--warmup-tokens", 1000 if a.tiny else 32768,
+                "--measure-tokens", 4000 if a.tiny else 131072, "--warmup-tokens", 4000 if a.tiny else 131072,
                 "--train-steps", 2 if a.tiny else 8, "--work-dir", work / "cal", "--out", rates,
                 log=work / "calibrate.log")
     cfg = {"generate": {"enabled": False}, "tokenize": {"max_length": tr["max_length"]},

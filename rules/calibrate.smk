@@ -114,6 +114,6 @@ if config["cost"].get("calibrate_rates"):
             "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline calibrate-rates "
             "--tokens {input.tokens:q} --model {params.model:q} --extract-settings {params.extract:q} "
             '--train-settings "$DFLASH_RATES_TRAIN_SETTINGS" --shards-per-job {params.shards_per_job} '
-            "--measure-tokens {params.tokens} --warmup-tokens $(({params.tokens} / 4)) "
+            "--measure-tokens {params.tokens} --warmup-tokens {params.tokens} "
             '--train-steps {params.steps} --work-dir "$work" --out {output:q} 2>&1 | tee {log:q}; '
             "exit ${{PIPESTATUS[0]}}"

@@ -1,7 +1,8 @@
 """`dflash-pipeline calibrate-rates`: extraction and training rates measured on the GPU the run will use.
 
 Samples of the run's own token shards go through the stages' own code at the run's settings: `extract_shards`
-(one job of two shards: a warm-up shard, which pays compilation and the first batches, then the measured one)
+(one job of two shards of the same size: a warm-up shard, which pays compilation, the allocator's growth and the
+first batches, then the measured one, unseen)
 and then `train` on the measured shard's hidden states (offline) or tokens (online) for 2 x W steps, logged
 every W steps, so that the second record is the rate with the first W steps (warm-up, compilation) left out.
 What a job pays before its first token is measured too: the process's age when the target starts loading
@@ -36,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-settings", default="{}", help="the train rule's --settings JSON")
     p.add_argument("--shards-per-job", type=int, help="extract.shards_per_job (decides compile=auto)")
     p.add_argument("--measure-tokens", type=int, default=131072, help="tokens of the measured extraction shard")
-    p.add_argument("--warmup-tokens", type=int, default=32768, help="tokens of the warm-up shard (not measured)")
+    p.add_argument("--warmup-tokens", type=int, default=131072,
+                   help="tokens of the warm-up shard (not measured; as large as the measured one, like a job's first shard)")
     p.add_argument("--train-steps", type=int, default=8, help="measured training steps (as many warm-up steps first)")
     p.add_argument("--skip-train", action="store_true", help="measure extraction only")
     p.add_argument("--work-dir", required=True, help="scratch directory (removed at the end)")
@@ -105,19 +107,20 @@ def measure_extract(args, warm: str, meas: str, model_age_s: float) -> tuple[dic
     timed, hidden = {}, None
     for compiled in modes:
         name = "compiled" if compiled else "eager"
-        # the measured shard twice, timed the second time: once is not warm (stop 37, H100: eager timed at 82K
-        # tok/s on its first pass, where the job's shards ran at 121-165K)
-        outs = [os.path.join(args.work_dir, f"{n}-{name}.dfhs") for n in ("warmup", "measure-first", "measure")]
-        w, w2, m = ex.extract_shards([warm, meas, meas], args.model, outs,
-                                     ex.dataclasses.replace(settings, compile=compiled), model=model)
+        # a warm-up shard as large as the measured one, then the measured shard's first pass: a job's shard after
+        # its first. Stop 37/38, H100 eager: after a 34K-token warm-up the first pass ran at 78K tok/s and a second
+        # pass of the same shard (every batch shape seen) at 235K, where the job's shards ran at 150-165K after
+        # its first (117K)
+        outs = [os.path.join(args.work_dir, f"{n}-{name}.dfhs") for n in ("warmup", "measure")]
+        w, m = ex.extract_shards([warm, meas], args.model, outs, ex.dataclasses.replace(settings, compile=compiled),
+                                 model=model)
         rate = m["this_run"]["tokens"] / m["seconds"]  # the whole shard call: batches, encoding, the file's close
-        warm_tokens = w["this_run"]["tokens"] + w2["this_run"]["tokens"]
-        warm_extra = max(0.0, w["seconds"] + w2["seconds"] - warm_tokens / rate)  # compilation included
+        warm_extra = max(0.0, w["seconds"] - w["this_run"]["tokens"] / rate)  # compilation included
         timed[name] = {"tok_s": rate, "startup_s": model_age_s + load_s + warm_extra, "tokens": m["this_run"]["tokens"],
                        "warmup_excess_s": round(warm_extra, 3),
                        "how": f"{m['this_run']['tokens']:,} tokens after a {w['this_run']['tokens']:,}-token warm-up "
-                              f"shard and one untimed pass, {name}"}
-        hidden = outs[2]
+                              f"shard, {name}"}
+        hidden = outs[1]
     del model
     chosen = "compiled" if ex.should_compile(settings.compile, device, job_tokens) else "eager"
     if chosen not in timed:
