@@ -162,3 +162,60 @@ def test_stage_bounds_name_options_that_are_settings():
         keys = cli.setting_keys(stage, cli.option_dests(_raw_parser(stage)))
         assert set(spec.bounds) <= set(keys), (stage, sorted(set(spec.bounds) - set(keys)))
         assert all(set(b) <= set(cli.BOUND_KEYWORDS) for b in spec.bounds.values()), stage
+
+
+# `.get(<a setting's name>, <literal>)` (or `.get(...) or <literal>`) in the package is a second default unless the
+# dict is not a settings section: each such (module, key) says here what it reads instead.
+NOT_A_SETTINGS_READ = {
+    ("data/audit.py", "samples"): "sample counts of the audit's totals",
+    ("hidden_states/extract.py", "samples"): "sample counts of a shard's stats",
+    ("report/figures.py", "samples"): "sample counts of the reports",
+    ("planning/rates.py", "startup_s"): "a measured start-up of calibrate-rates' output",
+    ("planning/rates.py", "device"): "the GPU name calibrate-rates measured on",
+    ("planning/projection.py", "startup_s"): "the calibration's measured start-up",
+    ("planning/evaluate_rates.py", "device"): "the device the decode steps were timed on",
+    ("generation/calibrate.py", "seed"): "the calibration sample's recorded seed (its file's metadata)",
+}
+
+
+def _literal_default_reads(tree, names: set[str]):
+    """(line, key) of `x.get("key", <constant>)` and `x.get("key") or <constant>` for keys in `names`."""
+    import ast
+
+    def key_of(call):
+        if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "get"
+                and call.args and isinstance(call.args[0], ast.Constant) and call.args[0].value in names):
+            return call.args[0].value
+        return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and len(node.args) == 2 and isinstance(node.args[1], ast.Constant) and key_of(node):
+            yield node.lineno, key_of(node)
+        if (isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or) and len(node.values) == 2
+                and key_of(node.values[0]) and isinstance(node.values[1], ast.Constant)):
+            yield node.lineno, key_of(node.values[0])
+
+
+def test_no_module_writes_a_settings_default_of_its_own():
+    import ast
+
+    names = set(_leaf_keys(settings.schema()))
+    package = REPO / "scripts" / "dflash_pipeline"
+    found, allowed_seen = [], set()
+    for path in sorted(package.rglob("*.py")):
+        module = path.relative_to(package).as_posix()
+        for line, key in _literal_default_reads(ast.parse(path.read_text()), names):
+            if (module, key) in NOT_A_SETTINGS_READ:
+                allowed_seen.add((module, key))
+            else:
+                found.append(f"{module}:{line} {key!r}")
+    assert not found, f"defaults written beside the schema's (use settings.value / settings.default): {found}"
+    assert allowed_seen == set(NOT_A_SETTINGS_READ), f"stale exceptions: {set(NOT_A_SETTINGS_READ) - allowed_seen}"
+
+
+def test_the_literal_default_scan_finds_a_second_default():
+    import ast
+
+    src = 'def f(cfg, s):\n    a = cfg.get("max_new_tokens", 2048)\n    b = s.get("block_size") or 16\n    return cfg.get("x", 1)\n'
+    assert list(_literal_default_reads(ast.parse(src), {"max_new_tokens", "block_size"})) == [
+        (2, "max_new_tokens"), (3, "block_size")]

@@ -122,7 +122,7 @@ def _generation_part(tok: dict, n: float, generate: dict, max_len: int, scale: f
     part = {"generate_response_tokens_max": n * max_new, "extract_tokens": bound}
     if calibration:
         run_shape = RunShape(samples=n, jobs=max(1, jobs), parallel_jobs=int(settings.value(generate, "generate.parallel_jobs")),
-                             gpus_per_job=int(generate.get("gpus") or 0), max_new_tokens=max_new,
+                             gpus_per_job=int(settings.value(generate, "generate.gpus")), max_new_tokens=max_new,
                              gpu_hour_usd=(cost or {}).get("gpu_hour_usd"))
         lengths = calibration["output_tokens"].get("per_sample_all") or [calibration["output_tokens"]["mean"]]
         part.update({"generation": project_generation(calibration, run_shape), "extract_tokens_bound": bound,
@@ -238,7 +238,7 @@ def shard_bytes_warning(plan: dict, shards: float, limit: float) -> list[str]:
                 f"file. Set ingest.shard_size to about {fit:,} (or fewer samples of shorter length)."]
 
 
-def render(plan: dict, shape: dict, layer_ids, disk_warn_bytes: float = 1 * TB) -> str:
+def render(plan: dict, shape: dict, layer_ids, disk_warn_bytes: float | None = None) -> str:
     f = lambda x: f"{x:,.0f}"  # noqa: E731
     lines = [
         "PLAN (before any GPU work)",
@@ -273,7 +273,7 @@ def render(plan: dict, shape: dict, layer_ids, disk_warn_bytes: float = 1 * TB) 
         lines.append(f"  evaluate: {plan['evaluate_hours'] * 60:.1f} min ({plan['evaluate_basis']})")
     elif plan.get("evaluate_basis"):
         lines.append(f"  evaluate: {plan['evaluate_basis']}")
-    if plan["hidden_bytes"] >= disk_warn_bytes:
+    if plan["hidden_bytes"] >= (disk_warn_bytes if disk_warn_bytes is not None else settings.default("extract.warn_bytes")):
         hb = plan["hidden_bytes"]
         lines += [
             "",
@@ -328,10 +328,10 @@ def run(args) -> int:
                      block_size=int(settings.value(cfg.get("drafter"), "drafter.block_size")),
                      evaluate=({**cfg["evaluate"], **json.loads(args.evaluate_runtime or "{}")}
                                if cfg.get("evaluate") else None))
-    text = render(plan, shape, layer_ids, disk_warn_bytes=float(extract_cfg.get("warn_bytes", TB)))
+    text = render(plan, shape, layer_ids, disk_warn_bytes=float(settings.value(extract_cfg, "extract.warn_bytes")))
     mask = mask_token(args.model, cfg.get("drafter") or {}, bool(cfg.get("trust_remote_code")))
     text += f"  drafter mask token: {mask['description']}\n"
-    warning = shard_bytes_warning(plan, len(args.tokens) * args.scale, float(extract_cfg.get("warn_shard_bytes") or 0))
+    warning = shard_bytes_warning(plan, len(args.tokens) * args.scale, float(settings.value(extract_cfg, "extract.warn_shard_bytes")))
     if warning:
         text += "\n".join(warning) + "\n"
     print(text, end="")

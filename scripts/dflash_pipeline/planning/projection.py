@@ -34,7 +34,7 @@ def assumed_calibration(generate: dict) -> dict:
     """Calibration figures from config `generate.assumed` (no GPU ran): what the cost preview prices generation
     with, marked ASSUMED everywhere it is shown. Without a mean answer length it takes max_new_tokens (a bound)."""
     assumed = generate.get("assumed") or {}
-    gpus = max(1, int(generate.get("gpus") or 0))
+    gpus = max(1, int(settings.value(generate, "generate.gpus")))
     assumed = {**settings.defaults("generate.assumed"), **{k: v for k, v in assumed.items() if v is not None}}
     per_gpu = float(assumed["output_tok_s_per_gpu"])
     mean = assumed["mean_output_tokens"] or int(settings.value(generate, "generate.max_new_tokens"))

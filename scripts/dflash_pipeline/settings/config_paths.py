@@ -11,6 +11,7 @@ import os
 import re
 
 from dflash_pipeline import package_paths
+from dflash_pipeline.settings import value
 from dflash_pipeline.errors import PipelineError
 
 
@@ -26,7 +27,7 @@ class ConfigPaths:
         self.raw_inputs = self._expand_inputs(config["inputs"])
         # evaluation prompts (MT-Bench question.jsonl): evaluated beside the held-out split, and never trained on
         self.eval_prompts = self._resolve("evaluate.prompts_file",
-                                          config.get("evaluate", {}).get("prompts_file") or "") or None
+                                          value(config.get("evaluate"), "evaluate.prompts_file")) or None
         excluded = {self._resolve("ingest.exclude_prompts", p) for p in config["ingest"].get("exclude_prompts") or []}
         self.exclude_prompts = sorted({p for p in excluded if p} | ({self.eval_prompts} if self.eval_prompts else set()))
         try:  # must_exist=False: the demo's target is built by the workflow
