@@ -12,7 +12,7 @@ from dflash_pipeline.settings.config_paths import ConfigPaths
 from dflash_pipeline.settings.job_groups import JobGroups, link_out
 from dflash_pipeline.settings.rule_params import RuleParams
 from dflash_pipeline.settings.target_source import TargetSource
-from dflash_pipeline.workflow_files import ManifestCache, storage_copy
+from dflash_pipeline.workflow_files import JsonFileCache, index_shards, planned_values, storage_copy
 
 R = config["results"]
 DATASETS = ["source", "regenerated"]
@@ -62,7 +62,7 @@ def target_model_files():
 target_model_dir = TARGET.model_dir
 
 
-_MANIFESTS = ManifestCache()
+_MANIFESTS = JsonFileCache(index_shards)
 
 
 def manifest():

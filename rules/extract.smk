@@ -96,7 +96,8 @@ rule extract:
             os.path.join(output[0] + ".partial", f"{s}.stats.json")
             for s in EXTRACTION_GROUPS.members(wc.exgroup, shard_ids())
         ],
-        settings=PARAMS.extract(),
+        # the plan resolved the layer ids: a rewritten plan with the same ids reruns nothing
+        settings=lambda wc: PARAMS.extract(planned()),
     shell:
         # a killed job leaves {params.partial} (finished shards, {shard}.dfhs.partial + .journal): the rerun
         # resumes from them; only a complete group is renamed into place

@@ -28,7 +28,8 @@ rule train:
         model=lambda wc, input: target_model_dir(input.model),
         target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         checkpoints=os.path.join(R, "train/checkpoints"),  # not an output: survives a failed job for resume
-        settings=PARAMS.train(),
+        # the plan resolved the layer ids and the mask token: a rewritten plan with the same values reruns nothing
+        settings=lambda wc: PARAMS.train(planned()),
     shell:
         "dflash-pipeline with-gpus --n {resources.gpus_per_node} -- "
         "dflash-pipeline launch-torchrun --nproc-per-node auto --nnodes {resources.nnodes} -- "

@@ -1,6 +1,8 @@
 # Verdicts: the gates and the plan decide whether a job may run, not what it reads. Jobs wait for these
 # checkpoints through input functions that return no file (after()), so a rewritten verdict redoes no job.
 
+from snakemake.exceptions import IncompleteCheckpointException
+
 
 def after(aggregate, **wildcards):
     """For an input function: wait for an aggregate that decides rather than feeds (a gate, the plan), without
@@ -22,6 +24,20 @@ def settled(wildcards):
     when it has run. So every job downstream of a verdict asks for it too, not only the first one."""
     verdicts = generation_gates(wildcards) if GEN["enabled"] else []
     return verdicts + after(checkpoints.gate, dataset=training_dataset()) + after(checkpoints.plan)
+
+
+_PLANNED = JsonFileCache(planned_values, download=True)
+
+
+def planned():
+    """What the plan resolved for every later stage (the target's layer ids, the mask token:
+    workflow_files.planned_values), for a param: a changed value reruns the job, a rewritten plan with the same
+    values does not. Every rule that reads it waits for the plan through settled(), and is re-evaluated once the
+    plan has run, so the empty answer of a pending plan never reaches a job."""
+    try:
+        return _PLANNED.get(checkpoints.plan.get().output.json)
+    except IncompleteCheckpointException:
+        return {}
 
 
 def regenerated_settled(wildcards):

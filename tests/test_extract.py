@@ -129,7 +129,7 @@ def test_resume_after_kill(tiny_target, tmp_path, caplog, monkeypatch):
     _token_shard(tmp_path / "t.parquet", n=16)
     out = tmp_path / "h.dfhs"
     args = ["extract", "--tokens", str(tmp_path / "t.parquet"), "--model", str(tiny_target), "--out", str(out),
-            "--target-layer-ids", "1,5", "--token-budget", "100", "--flush-tokens", "60", "--device", "cpu",
+            "--target-layer-ids", "1", "5", "--token-budget", "100", "--flush-tokens", "60", "--device", "cpu",
             "--encode-threads", "1", "--stats", str(tmp_path / "h.stats.json")]
     # killed for real (SIGKILL, no cleanup) by a wrapper right after the second durable chunk
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -266,8 +266,9 @@ def test_bad_inputs_are_one_line_errors_before_the_target_loads(tmp_path, capsys
         assert main([*base, "--tokens", str(tmp_path / tokens)]) == 2
         assert f"{tokens}: {why}" in capsys.readouterr().err
     _token_shard(tmp_path / "t.parquet", n=4)
-    assert main([*base, "--tokens", str(tmp_path / "t.parquet"), "--target-layer-ids", "1,x"]) == 2
-    assert "expected integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # argparse: a usage error
+        main([*base, "--tokens", str(tmp_path / "t.parquet"), "--target-layer-ids", "1,x"])
+    assert exit_.value.code == 2 and "--target-layer-ids: invalid int value: '1,x'" in capsys.readouterr().err
     assert main([*base, "--tokens", str(tmp_path / "t.parquet"), "--drafter-config", "{"]) == 2
     assert "--drafter-config: not JSON" in capsys.readouterr().err
     assert main([*base, "--tokens", str(tmp_path / "t.parquet")]) == 2  # the target itself: load_model's error

@@ -28,7 +28,6 @@ NOT_THE_SETTING = {
     ("manifest", "records"): "the ingested files to read (paths)",
     ("shard", "records"): "the ingested file to cut (a path)",
     ("audit", "mode"): "the gate's mode (prompts or full), decided by generate.enabled; not train.mode",
-    ("extract", "target_layer_ids"): "a by-hand override; the workflow passes the drafter section (--drafter-config)",
     ("train", "device"): "the job's device; no config key for training",
     ("evaluate", "device"): "the job's device; no config key for evaluation",
     ("evaluate", "seed"): "the untrained drafter's initialisation and the sampling seed; no config key",

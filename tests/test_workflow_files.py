@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from dflash_pipeline.workflow_files import ManifestCache, storage_copy
+from dflash_pipeline.workflow_files import JsonFileCache, index_shards, planned_values, storage_copy
 
 
 class FakeStorageObject:
@@ -61,7 +61,7 @@ def test_storage_copy_downloads_to_a_private_file_and_leaves_the_local_path_alon
 def test_manifest_is_parsed_once_per_version(tmp_path, monkeypatch):
     out = tmp_path / "manifest.json"
     out.write_text(json.dumps({"shards": [{"shard": "a-00000", "src": "a"}]}))
-    cache, loads = ManifestCache(), []
+    cache, loads = JsonFileCache(index_shards), []
     real_load = json.load
     monkeypatch.setattr(json, "load", lambda fh: loads.append(1) or real_load(fh))
     first = cache.get(out)
@@ -69,3 +69,29 @@ def test_manifest_is_parsed_once_per_version(tmp_path, monkeypatch):
     assert cache.get(out) is first and len(loads) == 1
     out.write_text(json.dumps({"shards": [{"shard": "b-00000", "src": "b"}, {"shard": "b-00001", "src": "b"}]}))
     assert set(cache.get(out)["_by_shard"]) == {"b-00000", "b-00001"} and len(loads) == 2
+
+
+def test_planned_values_are_the_plans_resolved_layer_ids_and_mask_token(tmp_path):
+    plan = {"target_layer_ids": [1, 8, 14], "mask_token": {"id": 16, "token": "<empty_output>", "description": "."}}
+    assert planned_values(plan) == {"target_layer_ids": [1, 8, 14], "mask_token_id": 16}
+    # undecided (no spare row, no special token): training decides and says why, so nothing is passed for it
+    assert planned_values({**plan, "mask_token": {"id": None, "description": "not decided"}}) == {
+        "target_layer_ids": [1, 8, 14]}
+    out = tmp_path / "plan.json"
+    out.write_text(json.dumps(plan))
+    assert JsonFileCache(planned_values).get(out)["mask_token_id"] == 16
+
+
+def test_a_param_reads_the_stored_plan_once_then_the_local_copy_a_job_wrote(tmp_path):
+    plan = {"target_layer_ids": [1, 2], "mask_token": {"id": 5}}
+    remote = tmp_path / "remote.json"
+    remote.write_text(json.dumps(plan))
+    local = tmp_path / "local" / "plan.json"
+    obj = FakeStorageObject(local, remote)
+    out = StorageFile("s3://b/plan.json", obj)
+    cache = JsonFileCache(planned_values, download=True)
+    assert cache.get(out) == {"target_layer_ids": [1, 2], "mask_token_id": 5}
+    assert cache.get(out) == {"target_layer_ids": [1, 2], "mask_token_id": 5} and obj.retrieved == 1  # once
+    assert not local.exists()  # the job that writes the plan owns the local path
+    local.write_text(json.dumps({**plan, "target_layer_ids": [3, 4]}))  # the plan reran in this invocation
+    assert cache.get(out)["target_layer_ids"] == [3, 4] and obj.retrieved == 1

@@ -40,16 +40,19 @@ def storage_copy(f):
         yield copy
 
 
-class ManifestCache:
-    """The shard manifest, parsed once per version of the file: input functions ask for it per job, and
-    re-parsing it for each of thousands of shards would dominate the planning time. The version is the local
-    copy's (mtime, size); Snakemake retrieves a storage checkpoint's output before its dependants are planned."""
+class JsonFileCache:
+    """A checkpoint's JSON output, parsed once per version of the file: input functions and params ask for it per
+    job, and re-parsing it for each of thousands of shards would dominate the planning time. The version is the
+    local copy's (mtime, size); Snakemake retrieves a storage checkpoint's output before its dependants are
+    planned (an input function's InputOpenException makes it), but not for a param: `download` reads the stored
+    version then (storage_copy). `digest` turns the parsed file into what the workflow reads."""
 
-    def __init__(self):
+    def __init__(self, digest=lambda data: data, download: bool = False):
+        self._digest, self._download = digest, download
         self._key, self._data = None, None
 
     def get(self, out) -> dict:
-        """`out`: the manifest checkpoint's output (a path, or a storage file with `storage_object`)."""
+        """`out`: the checkpoint's output (a path, or a storage file with `storage_object`)."""
         obj = getattr(out, "storage_object", None)
         local = str(obj.local_path()) if obj is not None else str(out)
         try:
@@ -57,11 +60,38 @@ class ManifestCache:
             key = (str(out), st.st_mtime_ns, st.st_size)
         except OSError:
             key = None
+        if key is None and self._download and obj is not None:
+            # for a param, where Snakemake retrieves nothing: the stored version, fetched once per invocation (a
+            # job of this invocation that rewrites it leaves the local copy, versioned by its stat as above)
+            key = (str(out), "stored")
         if key is not None and key == self._key:
             return self._data
-        with out.open() as fh:
-            data = json.load(fh)
-        data["_by_shard"] = {s["shard"]: s for s in data["shards"]}
+        if self._download:
+            with storage_copy(out) as path:  # the local copy where there is one
+                if path is None:
+                    raise FileNotFoundError(f"{out}: neither written nor stored")
+                with open(path) as fh:
+                    data = self._digest(json.load(fh))
+        else:
+            with out.open() as fh:
+                data = self._digest(json.load(fh))
         if key is not None:
             self._key, self._data = key, data
         return data
+
+
+def index_shards(data: dict) -> dict:
+    """The shard manifest, its shards indexed by id."""
+    data["_by_shard"] = {s["shard"]: s for s in data["shards"]}
+    return data
+
+
+def planned_values(plan: dict) -> dict:
+    """What the plan resolved once for every later stage: the target's layer ids the drafter reads, and the mask
+    token (absent when the plan could not decide it: training then says why)."""
+    values = {"target_layer_ids": [int(i) for i in plan["target_layer_ids"]]}
+    mask = (plan.get("mask_token") or {}).get("id")
+    if mask is not None:
+        values["mask_token_id"] = int(mask)
+    return values
+

@@ -346,7 +346,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", nargs="+", required=True, help="hidden-state shard to write (.dfhs), one per --tokens")
     p.add_argument("--stats", nargs="*", default=None,
                    help="JSON with tokens, bytes, throughput of each shard, one per --tokens")
-    p.add_argument("--target-layer-ids", help="comma-separated layer ids (default: from --drafter-config)")
+    p.add_argument("--target-layer-ids", type=int, nargs="+",
+                   help="the target's layer ids (the workflow passes the plan's); default: from --drafter-config")
     p.add_argument("--drafter-config", default="{}",
                    help="JSON of the config's drafter section (target_layer_ids or num_layers)")
     p.add_argument("--codec", choices=CODECS)
@@ -373,11 +374,7 @@ def settings_from_args(args) -> ExtractSettings:
         values["drafter_config"] = json.loads(drafter or "{}") if isinstance(drafter, str) else drafter
     except ValueError as exc:
         raise PipelineError(f"extract --drafter-config: not JSON ({exc})") from exc
-    try:
-        values["layer_ids"] = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
-    except ValueError as exc:
-        raise PipelineError(f"extract --target-layer-ids {args.target_layer_ids!r}: expected integers "
-                            "separated by commas") from exc
+    values["layer_ids"] = [int(x) for x in args.target_layer_ids] if args.target_layer_ids else None
     values["compile"] = {"true": True, "false": False}.get(args.compile, "auto")
     return ExtractSettings(**values)
 

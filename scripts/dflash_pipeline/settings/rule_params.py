@@ -31,7 +31,7 @@ PLAN_KEYS = {
     "generate": ("enabled", "max_new_tokens", "parallel_jobs", "gpus", "shards_per_job", "assumed"),
     "tokenize": ("max_length",),
     "extract": ("codec", "assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "shards_per_job", "compile"),
-    "drafter": ("num_layers", "target_layer_ids"),
+    "drafter": ("num_layers", "target_layer_ids", "mask_token_id"),
     "train": ("epochs", "mode", "num_anchors", "max_length"),
     "cost": ("gpu_hour_usd",),
     # what decides the evaluation's work (its batch size, runtime-only, reaches the plan through the environment)
@@ -130,17 +130,21 @@ class RuleParams:
         return json.dumps({k: d[k] for k in ("num_layers", "target_layer_ids") if d.get(k) is not None},
                           sort_keys=True)
 
-    def extract(self) -> str:
+    def extract(self, planned: dict | None = None) -> str:
         """The extract rule's --settings (calibrate-rates measures with the same). encode_threads is the rule's
         threads (how many threads write it changes no byte); shards_per_job is the group (its members are the
-        inputs)."""
+        inputs). `planned`: the plan's resolved values (workflow_files.planned_values): the layer ids the plan
+        resolved replace the drafter section the stage would resolve them from; calibrate-rates, which runs
+        before the plan, resolves them the same way (target_layers.py)."""
+        layers = ({"target_layer_ids": planned["target_layer_ids"]} if planned
+                  else {"drafter_config": self.drafter_layers()})
         return self.stage("extract", drop=("assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "encode_threads",
-                                           "shards_per_job"),
-                          drafter_config=self.drafter_layers(), **self.trust)
+                                           "shards_per_job"), **layers, **self.trust)
 
-    def train(self) -> str:
-        """train: (minus resources) + the drafter's shape + the evaluation holdout, as one JSON."""
-        d = self.config["drafter"]
+    def train(self, planned: dict | None = None) -> str:
+        """train: (minus resources) + the drafter's shape + the evaluation holdout, as one JSON; `planned`: the
+        plan's layer ids and mask token in place of the config's (None there: resolved by the stage)."""
+        d = {**self.config["drafter"], **(planned or {})}
         drafter = {k: d[k] for k in ("num_layers", "block_size", "mask_token_id", "target_layer_ids")
                    if d.get(k) is not None}
         mirror = self._mirror(self.config["train"].get("checkpoint_mirror"), "train/checkpoints")
