@@ -5,6 +5,7 @@
 #   call 1, carry whl + gguf.partA:  bash benchmarks/real_target_device.sh 1 [benchmark commands ...]
 #   call 2, carry data + gguf.partB: bash benchmarks/real_target_device.sh 2    (then 3, 4: the same chain resumed)
 #   PEERS=0 bash benchmarks/real_target_device.sh 2: ours, the untrained drafter and the variants only
+#   UNTIL=hidden/X.dfhs ...: the workflow up to that results path (default all)
 #
 # Call 1 installs the wheels, copies its GGUF half aside and runs the benchmark commands given to it (each
 # stopped before the call's budget). Later calls join the halves and run the chain: the workflow on the real
@@ -51,7 +52,7 @@ if [ "$CALL" = 1 ]; then
   done
 else
   # ours (and the untrained drafter) evaluated first: a call that runs out of time still has our tau
-  sbs workflow --until all; sbs evaluate; sbs table  # evaluate needs the export only (a failed gate still tells tau)
+  sbs workflow --until "${UNTIL:-all}"; sbs evaluate; sbs table  # evaluate needs the export only (a failed gate still tells tau)
   sbs variants && sbs evaluate; sbs table  # our trainer with fewer samples per step (VARIANT_RUNS)
   if [ "${PEERS:-1}" = 1 ]; then  # PEERS=0: ours only (the peers' figures of an earlier run stand)
     sbs peer-data && sbs speculators && sbs evaluate; sbs compat; sbs table
