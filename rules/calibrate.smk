@@ -96,6 +96,9 @@ if config["cost"].get("calibrate_rates"):
             bench("calibrate_rates")
         conda:
             ENV_GPU
+        # the extract job's threads (Snakemake sets OMP_NUM_THREADS from them): with 1, the H200 host of stop 38
+        # measured extraction at 37K tok/s where the job ran at 117K
+        threads: EXTRACT["encode_threads"]
         resources:
             gpu=max(EXTRACT["gpus"], 1 if TRAIN["gpus"] else 0),
             runtime=EXTRACT["runtime_min"],
@@ -114,6 +117,6 @@ if config["cost"].get("calibrate_rates"):
             "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline calibrate-rates "
             "--tokens {input.tokens:q} --model {params.model:q} --extract-settings {params.extract:q} "
             '--train-settings "$DFLASH_RATES_TRAIN_SETTINGS" --shards-per-job {params.shards_per_job} '
-            "--measure-tokens {params.tokens} --warmup-tokens {params.tokens} "
+            "--encode-threads {threads} --measure-tokens {params.tokens} --warmup-tokens {params.tokens} "
             '--train-steps {params.steps} --work-dir "$work" --out {output:q} 2>&1 | tee {log:q}; '
             "exit ${{PIPESTATUS[0]}}"

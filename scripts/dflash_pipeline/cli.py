@@ -87,7 +87,8 @@ STAGES = {
                   "print samples, tokens, bytes and GPU hours before the GPU starts"),
     "calibrate-rates": Stage("dflash_pipeline.planning.calibrate_rates", "add_arguments", "run",
                              "measure extraction and training rates on this GPU for the plan",
-                             aliases={"shards_per_job": "extract.shards_per_job"}),
+                             aliases={"shards_per_job": "extract.shards_per_job",
+                                      "encode_threads": "extract.encode_threads"}),
     "generation-gate": Stage("dflash_pipeline.planning.plan", "add_generation_gate_arguments", "run_generation_gate",
                              "stop before the full generation when its projected wall time or GPU hours exceed the "
                              "limits", aliases={"max_wall_hours": "generate.max_wall_hours",
