@@ -91,6 +91,7 @@ def config_change(name: str, text: str):
 change_train = config_change("train_lr.yaml", "train:\n  lr: 1.0e-3\n")
 change_extract_codec = config_change("extract_codec.yaml", "extract:\n  codec: raw\n")
 change_max_new_tokens = config_change("max_new_tokens.yaml", "generate:\n  max_new_tokens: 12\n")
+change_target_layers = config_change("target_layers.yaml", "drafter:\n  target_layer_ids: [2, 4]\n")
 change_resources = config_change(
     "resources.yaml",
     "train:\n  gpus: 2\n  nodes: 1\n  mem_mb: 64000\n  runtime_min: 99\nevaluate:\n  gpus: 1\n  mem_mb: 9000\n"
@@ -118,6 +119,8 @@ TABLE = [
      "`max_length` also re-plan: the plan projects training hours)", change_train),
     ("an `extract:` setting that changes the bytes (here `codec`)", "the plan, every extract, then train "
      "onwards; no generation", change_extract_codec),
+    ("`drafter.target_layer_ids` (or `num_layers`: the ids the plan resolves)", "the plan, every extract, "
+     "then train onwards; no generation", change_target_layers),
     ("`generate.max_new_tokens`", "the calibration, the plan and its gate, every generate and what follows; "
      "not ingest nor the source tokenize", change_max_new_tokens),
     ("resources only (GPUs of train, extract and evaluate, nodes, memory, run time)",

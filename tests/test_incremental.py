@@ -258,6 +258,9 @@ def _expected(change, shards: int) -> dict[str, int]:
         "train_lr": TRAIN_ONWARDS,
         "extract_codec": {"plan": 1, "generation_gate": 1, "extract": shards, "hidden_from_group": shards,
                           **TRAIN_ONWARDS},
+        # the plan resolves the layer ids; extract and train take them from it (a param, in one invocation)
+        "target_layers": {"plan": 1, "generation_gate": 1, "extract": shards, "hidden_from_group": shards,
+                          **TRAIN_ONWARDS},
         "max_new_tokens": {"calibrate": 1, "plan": 1, "generation_gate": 1, "generate": shards,
                            "completions_from_group": shards, "tokenize": shards, "tokens_from_group": shards,
                            "audit": 1, "gate": 1, "extract": shards, "hidden_from_group": shards, **TRAIN_ONWARDS},
@@ -282,7 +285,7 @@ def test_one_invocation_redoes_exactly_what_the_change_invalidates(pristine, tmp
     # change is upstream of it, and whether it reaches extraction, and for which shards, is the count the dry
     # run plans). The dry run that follows must plan exactly the omitted jobs, no more. (The run is the same one
     # invocation cut in two: the dry run after it plans the whole rest of the DAG.)
-    trains = change.__name__ in ("train_lr", "extract_codec")
+    trains = change.__name__ in ("train_lr", "extract_codec", "target_layers")
     omit = ("--omit-from", "export" if trains else "extract")
     jobs = ran(snakemake(work, "--cores", "2", *omit, configfiles=configs))
     expected = _expected(change, len(shards))
