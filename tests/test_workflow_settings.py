@@ -124,6 +124,12 @@ def test_job_groups_take_consecutive_shards_of_one_file():
     assert [one.of(s) for s in shards[:3]] == ["a-g00000", "a-g00001", "a-g00002"]
     assert one.members("a-g00002", shards) == ["a-00002"]
     assert re.fullmatch(groups.pattern, "b-x-j00000") and not re.fullmatch(groups.pattern, "b-x-g00000")
+    # a manifest that changes within an invocation (a shard added): the members follow it, not the last index
+    assert groups.members("a-j00001", shards + ["a-00003"]) == ["a-00002", "a-00003"]
+    assert groups.members("a-j00001", shards) == ["a-00002"] and groups.members("c-j00000", shards) == []
+    got = groups.members("a-j00000", shards)
+    got.append("mutated")  # a caller's list is its own
+    assert groups.members("a-j00000", shards) == ["a-00000", "a-00001"]
     assert not re.fullmatch(groups.pattern, "a-00000")
 
 

@@ -11,14 +11,22 @@ class JobGroups:
         self.letter, self.size = letter, size
         # the {group} wildcard: a source name, the letter, five digits
         self.pattern = rf"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*?-{letter}\d{{5}}"
+        self._indexed: tuple[tuple, dict] = ((), {})  # (the shards, {group: members}) of the last call
 
     def of(self, shard: str) -> str:
         src, k = shard.rsplit("-", 1)
         return f"{src}-{self.letter}{int(k) // self.size:05d}"
 
     def members(self, group: str, shards) -> list[str]:
-        """The shards of `group` among `shards` (the manifest's), in their order."""
-        return [s for s in shards if self.of(s) == group]
+        """The shards of `group` among `shards` (the manifest's), in their order. Input functions ask once per
+        group and rule with the same shard list: it is indexed once (a scan per call was shards x groups)."""
+        shards = tuple(shards)
+        if shards != self._indexed[0]:
+            index: dict[str, list[str]] = {}
+            for s in shards:
+                index.setdefault(self.of(s), []).append(s)
+            self._indexed = (shards, index)
+        return list(self._indexed[1].get(group, ()))
 
 
 def link_out(*pairs: tuple[str, str]) -> str:
