@@ -184,7 +184,10 @@ def test_killed_job_leaves_nothing_a_rerun_trusts(done_run):
         import pyarrow.parquet as pq
 
         assert pq.read_table(group / target.name).num_rows > 0
-        assert plan in ({"tokenize": 1, "tokens_from_group": 1, "audit": 1}, {"tokens_from_group": 1, "audit": 1}), plan
+        done = [{"tokenize": 1, "tokens_from_group": 1, "audit": 1}, {"tokens_from_group": 1, "audit": 1}]
+        if (done_run / report).exists():  # under load the run even got through the audit before the freeze
+            done.append({})
+        assert plan in done, plan
     snakemake(done_run, "--unlock")  # a killed Snakemake leaves its directory lock (README: after a crash)
     snakemake(done_run, report, "--cores", "2")
     assert target.exists() and audit.exists()

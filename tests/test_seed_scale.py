@@ -36,8 +36,10 @@ def test_one_hundredth_of_the_seed_accounting_is_exact(tmp_path, tiny_target):
     manifest = json.loads((tmp_path / "results/ingest/manifest.json").read_text())
     assert len(manifest["shards"]) == 20  # shard_size 512, grouped 32 per job: one shard and one tokenize job per file
     bench = seed.job_benchmarks(tmp_path / "results")
-    # every job has its benchmark row; max_rss is Snakemake's sample of the job's memory, and a job that ends
-    # before its first sample (a short job on a loaded machine: the flake of issue 27) has none ("-" -> None)
+    # every job has its benchmark row; max_rss is Snakemake's sample of the job's memory: a job that ends before
+    # its first sample (a short job on a loaded machine: the flake of issue 27) has none ("-" -> None), one sampled
+    # as it ended 0.00 (the manifest job, under load); a tokenize job (it loads the tokenizer) is always sampled
     rows = [r for rows in bench.values() for r in rows]
     assert len(bench["tokenize"]) == 5 and all(r["s"] > 0 for r in rows)
-    assert all(r["max_rss"] is None or r["max_rss"] > 0 for r in rows)
+    assert all(r["max_rss"] is None or r["max_rss"] >= 0 for r in rows)
+    assert all(r["max_rss"] and r["max_rss"] > 50 for r in bench["tokenize"]), bench["tokenize"]
