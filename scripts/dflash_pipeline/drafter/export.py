@@ -115,8 +115,8 @@ def config_from_engine(cfg: dict, source: str = "config.json") -> DrafterConfig:
     try:
         ids, mask_id = dc["target_layer_ids"], int(dc["mask_token_id"])
         base = dict(cfg, num_hidden_layers=int(cfg["num_target_layers"]))  # target_shapes reads the target's count
-        return DrafterConfig.from_target(base, int(cfg["num_hidden_layers"]), ids, int(cfg.get("block_size") or settings.default("drafter.block_size")),
-                                         mask_id, int(cfg["vocab_size"]))
+        block = int(settings.value(cfg, "drafter.block_size"))
+        return DrafterConfig.from_target(base, int(cfg["num_hidden_layers"]), ids, block, mask_id, int(cfg["vocab_size"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise PipelineError(f"{source}: not a DFlash drafter config (missing or bad {exc})") from None
 

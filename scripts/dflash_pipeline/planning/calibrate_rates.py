@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encode-threads", type=int, help="the extract jobs' encode threads (their rule's threads)")
     p.add_argument("--measure-tokens", type=int, default=131072, help="tokens of the measured extraction shard")
     p.add_argument("--warmup-tokens", type=int, default=131072,
-                   help="tokens of the warm-up shard (not measured; as large as the measured one, like a job's first shard)")
+                   help="tokens of the warm-up shard (not measured; as large as the measured one: a job's first)")
     p.add_argument("--train-steps", type=int, default=8, help="measured training steps (as many warm-up steps first)")
     p.add_argument("--skip-train", action="store_true", help="measure extraction only")
     p.add_argument("--work-dir", required=True, help="scratch directory (removed at the end)")
@@ -93,9 +93,8 @@ def measure_extract(args, warm: str, meas: str, model_age_s: float) -> tuple[dic
     these source shards' jobs would take."""
     from dflash_pipeline.hidden_states import extract as ex
 
-    threads = ["--encode-threads", str(args.encode_threads)] if args.encode_threads else []
     eargs = _stage_args("extract", ["--tokens", warm, "--model", args.model, "--out", "x", "--settings",
-                                    args.extract_settings, *threads])
+                                    args.extract_settings, "--encode-threads", str(args.encode_threads)])
     settings = ex.settings_from_args(eargs)
     device = ex.target.resolve_device(settings.device)
     job_tokens = _mean_shard_tokens(args.tokens) * max(1, args.shards_per_job)

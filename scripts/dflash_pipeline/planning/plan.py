@@ -273,7 +273,7 @@ def render(plan: dict, shape: dict, layer_ids, disk_warn_bytes: float | None = N
         lines.append(f"  evaluate: {plan['evaluate_hours'] * 60:.1f} min ({plan['evaluate_basis']})")
     elif plan.get("evaluate_basis"):
         lines.append(f"  evaluate: {plan['evaluate_basis']}")
-    if plan["hidden_bytes"] >= (disk_warn_bytes if disk_warn_bytes is not None else settings.default("extract.warn_bytes")):
+    if plan["hidden_bytes"] >= settings.value({"warn_bytes": disk_warn_bytes}, "extract.warn_bytes"):
         hb = plan["hidden_bytes"]
         lines += [
             "",
@@ -331,7 +331,8 @@ def run(args) -> int:
     text = render(plan, shape, layer_ids, disk_warn_bytes=float(settings.value(extract_cfg, "extract.warn_bytes")))
     mask = mask_token(args.model, cfg.get("drafter") or {}, bool(cfg.get("trust_remote_code")))
     text += f"  drafter mask token: {mask['description']}\n"
-    warning = shard_bytes_warning(plan, len(args.tokens) * args.scale, float(settings.value(extract_cfg, "extract.warn_shard_bytes")))
+    warning = shard_bytes_warning(plan, len(args.tokens) * args.scale,
+                                  float(settings.value(extract_cfg, "extract.warn_shard_bytes")))
     if warning:
         text += "\n".join(warning) + "\n"
     print(text, end="")
