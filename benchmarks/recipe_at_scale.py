@@ -84,6 +84,7 @@ VARIANTS = {
     "target-labels": {"labels": "target"},         # speculators' choice: the target's own argmax
     "lr-3e-4": {"lr": 3e-4},
     "lr-1.2e-3": {"lr": 1.2e-3},
+    "lr-2.4e-3": {"lr": 2.4e-3},                   # batch 16 at 4x the rate: batch 4's gain from steps or from lr x steps?
     # more optimizer steps on the same tokens: at 2,881 samples SpecForge (batch 1) led ours (batch 16) by 0.18
     # tau on the H100 run of 2026-12-06 (docs/training.md, "Side by side on a real target")
     "batch-4": {"batch_size": 4},
@@ -786,7 +787,8 @@ def peer_bytes_per_token(hidden: int, n_ids: int) -> dict:
 
 def stage_peer_plan(a) -> None:
     """The peers' subset: the largest prefix of the token shards whose raw bf16 files (the larger peer's format)
-    fit this disk, capped at the `@sub` share; written once (results/peer-plan.json travels in the bundle), so
+    fit this disk, capped at the `@sub` share or --peer-shards (SpecForge trains at batch 1, ~7.2K tok/s on an H100:
+    the @sub share's ~5.3M tokens take ~12 min, more than one device call); written once (results/peer-plan.json travels in the bundle), so
     `paper@peer` and both peers train on the same shards on any later machine."""
     import pyarrow.parquet as pq
 
@@ -798,7 +800,7 @@ def stage_peer_plan(a) -> None:
     shards = run_inputs(w, False)
     counts = [sum(pq.read_table(p, columns=["length"]).column("length").to_pylist()) for p in shards]
     free = shutil.disk_usage(w.root).free
-    k = min(peer_subset(counts, max(per.values()), free), len(run_inputs(w, True)))
+    k = min(peer_subset(counts, max(per.values()), free), a.peer_shards or len(run_inputs(w, True)))
     if k == 0:
         raise SystemExit(f"peers: not one token shard's raw features fit {free / 1e9:.1f} GB free")
     plan = {"shards": [p.name for p in shards[:k]], "tokens": sum(counts[:k]), "of_tokens": sum(counts),
@@ -1106,6 +1108,8 @@ def parse_args(argv=None):
     ap.add_argument("--runs", default="paper", help="train: VARIANT[@sub|@peer],... (" + ", ".join(VARIANTS) + ")")
     ap.add_argument("--peer", choices=["specforge", "speculators"], default="speculators",
                     help="peer-data / peer-train / peer-clean: which peer")
+    ap.add_argument("--peer-shards", type=int, default=0,
+                    help="peer-plan: at most this many token shards for the peers (0: the @sub share)")
     ap.add_argument("--bundle-optimizer", choices=["auto", "always", "never"], default="auto",
                     help="pack: the optimizer moments with the checkpoint (auto: when the bundle budget allows)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])

@@ -194,3 +194,12 @@ def test_one_peers_files_at_a_time_from_ours_samples(runs, tiny_target):
         call("peer-data", extra=("--peer", "speculators"))
     call("peer-clean", extra=("--peer", "specforge"))
     assert not (a.peers / "peer_sf").exists()
+    # --peer-shards caps the subset below the @sub share: ours is then trained again on exactly those shards
+    b = ras.Work(root / "capped")
+    shutil.copytree(a.root, b.root, symlinks=True)
+    (b.results / "peer-plan.json").unlink()
+    ras.main(["peer-plan", "--tiny", "--device", "cpu", "--work", str(b.root), "--out", str(root / "capped-out"),
+              "--kit", str(root / "kit"), "--target-dir", str(tiny_target), "--peer-shards", "1"])
+    capped = json.loads((b.results / "peer-plan.json").read_text())
+    assert capped["shards"] == plan["shards"][:1] and not capped["equal_to_sub"]
+    assert ras.ours_for_peers(capped) == "paper@peer" and ras.ours_for_peers(plan) == "paper@sub"

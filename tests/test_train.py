@@ -229,3 +229,18 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one_and_new_data_rest
     assert run_in_process(*_train_args(tiny_target, shards, tmp_path / "new-data", ckpt, **common)) == 0
     assert json.loads((tmp_path / "new-data" / "summary.json").read_text())["resumed_from_step"] == 0
     assert list(ckpt.glob("stale-*/step-00000004.pt"))
+
+
+@pytest.mark.parametrize("labels", ["data", "target"])
+def test_online_training_in_the_packed_layout_matches_the_padded(tiny_target, token_shards, tmp_path, labels):
+    """`--layout packed` online (the GPU's auto layout with compile): the same steps' losses as the padded layout
+    to float precision; with target labels too."""
+    losses = {}
+    for layout in ("padded", "packed"):
+        out = tmp_path / layout
+        assert run_in_process(*_train_args(tiny_target, token_shards, out / "out", out / "ckpt", layout=layout,
+                                           labels=labels, acceptance_every=0)) == 0
+        recs = [json.loads(ln) for ln in (out / "out" / "metrics.jsonl").read_text().splitlines()]
+        losses[layout] = [r["loss"] for r in recs]
+    assert len(losses["packed"]) == len(losses["padded"]) == 4
+    assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-4)

@@ -148,3 +148,34 @@ def test_metrics_record_positions_tflops_and_mfu(parts):
     assert rec["positions_per_s"] / rec["tokens_per_s"] == pytest.approx(counts.positions / counts.context, rel=1e-5)
     assert rec["mfu"] == pytest.approx(rec["tflops"] * 1e12 / 1e9)
     assert StepMetrics(cfg.block_size, torch.device("cpu")).record(Dist("cpu"), 1, 0.1, 0.0, 0.0)["mfu"] is None
+
+
+def test_online_packed_features_are_each_samples_own_and_train_as_padded(parts):
+    """Online, a packed row gets from the target what each sample gets alone (features, and with target labels
+    its greedy tokens, the first token kept), zeros on the row's padding; the loss and gradients equal the
+    padded online batch's (the target run on [B, S] with right padding)."""
+    from dflash_pipeline.drafter.features import packed_target_features, target_features_and_predictions
+
+    cfg, head, target = parts
+    samples, anc = _samples(cfg, target)
+    for x in samples:
+        del x["features"]  # online: the source gives ids only
+    packed = collate_packed(samples, anc, token_multiple=64, block_multiple=8, sample_multiple=4)
+    feats, labels = packed_target_features(target, packed, cfg.target_layer_ids, predictions=True, pad_multiple=16)
+    covered = torch.zeros(packed.input_ids.shape[1], dtype=torch.bool)
+    for x, (off, t) in zip(samples, packed.sample_spans.tolist()):
+        f, p = target_features_and_predictions(target, torch.as_tensor(x["input_ids"])[None], torch.tensor([t]),
+                                               cfg.target_layer_ids)
+        assert torch.allclose(feats[0, off:off + t], f[0], atol=1e-5)
+        assert torch.equal(labels[0, off:off + t], p[0]) and int(labels[0, off]) == int(x["input_ids"][0])
+        covered[off:off + t] = True
+    assert covered.sum() < covered.numel()  # gaps between samples (sample_multiple) and the tail padding
+    assert not feats[0, ~covered].any() and torch.equal(labels[0, ~covered], packed.input_ids[0, ~covered])
+    padded = collate(samples, anc, num_blocks=9)
+    pf = target_features(target, padded.input_ids, padded.lengths, cfg.target_layer_ids)
+    torch.manual_seed(0)
+    a = block_loss(DFlashDrafter(cfg), head, padded, pf, 7.0, head_chunk=16)
+    torch.manual_seed(0)
+    b = block_loss(DFlashDrafter(cfg), head, packed, feats, 7.0, head_chunk=16)
+    la, lb = float(a.loss.detach()), float(b.loss.detach())
+    assert torch.equal(a.count, b.count) and abs(la - lb) < 1e-5 * la

@@ -16,7 +16,7 @@ lengths a padded GPU batch of 512 blocks per row computed ~2x the blocks it trai
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -49,24 +49,23 @@ class Batch:
     positions: torch.Tensor | None = None    # [B, S] position of each token inside its own sample
     block_start: torch.Tensor | None = None  # [B, N] first token of the block's sample
     block_end: torch.Tensor | None = None    # [B, N] end (exclusive) of the block's sample
+    sample_spans: torch.Tensor | None = None  # [samples, 2] (offset, length) of each sample in the packed row
+    max_sample: int = 0                       # the longest sample's length (online: the target's padded width)
 
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
 
-    def to(self, device) -> "Batch":
-        def move(t):
-            return None if t is None else t.to(device, non_blocking=True)
+    def _tensors(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name != "max_sample")
 
-        return Batch(*(move(t) for t in (self.input_ids, self.loss_mask, self.lengths, self.anchors,
-                                         self.block_valid, self.features, self.positions, self.block_start,
-                                         self.block_end)))
+    def to(self, device) -> "Batch":
+        return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in self._tensors()),
+                     max_sample=self.max_sample)
 
     def pin_memory(self) -> "Batch":
         """Page-locked host copies (CPU -> GPU copies then run asynchronously, `to(non_blocking)`)."""
-        return Batch(*(None if t is None else t.pin_memory() for t in (
-            self.input_ids, self.loss_mask, self.lengths, self.anchors, self.block_valid, self.features,
-            self.positions, self.block_start, self.block_end)))
+        return Batch(*(None if t is None else t.pin_memory() for t in self._tensors()), max_sample=self.max_sample)
 
 
 def collate(samples: list[dict], anchors: list[torch.Tensor], pad_multiple: int = 1, num_blocks: int = 0) -> Batch:
@@ -135,4 +134,6 @@ def collate_packed(samples: list[dict], anchors: list[torch.Tensor], token_multi
             feats[0, off:off + t] = x["features"]
         blk += len(a)
     valid = torch.arange(n_pad)[None, :] < n_blocks
-    return Batch(input_ids, loss_mask, torch.tensor([total]), anc, valid, feats, positions, start, end)
+    spans = torch.tensor([[off, t] for off, t in zip(offsets, sizes)], dtype=torch.long)
+    return Batch(input_ids, loss_mask, torch.tensor([total]), anc, valid, feats, positions, start, end, spans,
+                 max(sizes))

@@ -33,3 +33,29 @@ def target_features_and_predictions(target, input_ids, lengths, layer_ids) -> tu
         pred = input_ids.clone()
         pred[:, 1:] = out.logits[:, :-1].argmax(-1)
         return cap.features(), pred
+
+
+def packed_target_features(target, batch, layer_ids, predictions: bool = False, pad_multiple: int = 1):
+    """Online features of a packed row (`collate_packed`: samples end to end in [1, T]): the target runs on the
+    samples as a padded batch [samples, S] (each from position 0, alone, as in the padded layout) and its outputs
+    go back to the packed positions. Returns (features [1, T, n*H], labels [1, T] or None): with `predictions`,
+    the target's greedy token per position as `target_features_and_predictions` gives it (each sample's first
+    token keeps its data token; the row's padding keeps its ids)."""
+    offsets, sizes = batch.sample_spans[:, 0], batch.sample_spans[:, 1]
+    width = -(-batch.max_sample // pad_multiple) * pad_multiple
+    cols = torch.arange(width, device=offsets.device)
+    real = cols[None, :] < sizes[:, None]
+    where = (offsets[:, None] + cols[None, :]).masked_fill(~real, 0)  # packed position of each padded slot
+    ids = batch.input_ids[0][where].masked_fill(~real, 0)
+    if predictions:
+        feats, pred = target_features_and_predictions(target, ids, sizes, layer_ids)
+    else:
+        feats, pred = target_features(target, ids, sizes, layer_ids), None
+    dest = where[real]
+    packed = feats.new_zeros(1, batch.input_ids.shape[1], feats.shape[-1])
+    packed[0, dest] = feats[real]
+    if pred is None:
+        return packed, None
+    labels = batch.input_ids.clone()
+    labels[0, dest] = pred[real]
+    return packed, labels
