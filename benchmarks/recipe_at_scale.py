@@ -88,6 +88,8 @@ VARIANTS = {
     # more optimizer steps on the same tokens: at 2,881 samples SpecForge (batch 1) led ours (batch 16) by 0.18
     # tau on the H100 run of 2026-12-06 (docs/training.md, "Side by side on a real target")
     "batch-4": {"batch_size": 4},
+    # 1 epoch of all 36,619 turns ended still learning (train accuracy 0.144; H100, 2026-12-06)
+    "epochs-3": {"epochs": 3.0},
 }
 
 
@@ -644,13 +646,17 @@ def stage_tokens(a) -> None:
 
 # ------------------------------------------------------------------------------------------------ train
 def run_spec(run: str) -> tuple[dict, bool]:
-    """`VARIANT`, `VARIANT@sub` or `VARIANT@peer` -> (train settings, which data: all, sub, peer)."""
+    """`VARIANT[+VARIANT...][@sub|@peer]` -> (train settings, which data: all, sub, peer); variants joined by `+`
+    apply left to right (`batch-4+epochs-3`: the winners together)."""
     name, _, data = run.partition("@")
-    if name not in VARIANTS or data not in ("", "sub", "peer"):
-        raise SystemExit(f"unknown run {run!r}: VARIANT[@sub] with VARIANT one of {', '.join(VARIANTS)}")
+    parts = name.split("+")
+    if not all(p in VARIANTS for p in parts) or data not in ("", "sub", "peer"):
+        raise SystemExit(f"unknown run {run!r}: VARIANT[+VARIANT][@sub|@peer] with VARIANT one of "
+                         f"{', '.join(VARIANTS)}")
     s = {k: SCALE[k] for k in ("num_layers", "num_anchors", "batch_size", "epochs", "lr", "gamma")}
     s.update(loss_weighting="decay", labels="data")
-    s.update(VARIANTS[name])
+    for p in parts:
+        s.update(VARIANTS[p])
     return s, data or "all"
 
 
@@ -938,39 +944,48 @@ def tree_bytes(repo: Path) -> int:
     return sum((repo / n.decode()).stat().st_size for n in names if n and (repo / n.decode()).is_file())
 
 
-def stage_carry(a) -> None:
+def stage_carry(a) -> list[list[str]]:
     """The next calls' payload folders .device/scale/in-1, in-2, ... (here): with --cold the GGUF parts, then the
     bundle that came back (--in: files_at of the last call). Call 1 also carries the kit's data and wheels (a cold
-    machine needs them; gather keeps them aside), later calls of the same warm machine only their folder."""
+    machine needs them; gather keeps them aside), later calls of the same warm machine only their folder; the
+    peers' wheels (--peers: only the peers' stages need them) go with the first call that has room for them."""
     kit, dest = Path(a.kit), Path(a.kit).parent
-    kit_dirs = ["data", "whl"] + (["whl-peers"] if a.peers else [])
     tree = tree_bytes(REPO) + 2**20  # 1 MiB of slack for files written in the meantime
-    kit_bytes = sum(f.stat().st_size for d in kit_dirs for f in (kit / d).rglob("*") if f.is_file())
+
+    def dir_bytes(d: str) -> int:
+        return sum(f.stat().st_size for f in (kit / d).rglob("*") if f.is_file())
+
     files = sorted((kit / "gguf").glob("*")) if a.cold else []
     for src in [Path(p) for p in a.inputs]:
         files += sorted(f for f in src.glob("bundle.tar.zst*") if f.is_file())
     for old in dest.glob("in-*"):
         shutil.rmtree(old)
-    calls, used = [[]], kit_bytes
+    calls = [{"kit": ["data", "whl"], "files": [], "bytes": dir_bytes("data") + dir_bytes("whl")}]
     for f in files:
         size = f.stat().st_size
-        if tree + used + size > CARRY_LIMIT:
-            if not calls[-1]:
-                raise SystemExit(f"{f.name}: {size / 2**20:.1f} MiB does not fit one call")
-            calls.append([])
-            used = 0
-        calls[-1].append(f)
-        used += size
-    for k, group in enumerate(calls, 1):
+        if tree + size > CARRY_LIMIT:
+            raise SystemExit(f"{f.name}: {size / 2**20:.1f} MiB does not fit one call")
+        if tree + calls[-1]["bytes"] + size > CARRY_LIMIT:
+            calls.append({"kit": [], "files": [], "bytes": 0})
+        calls[-1]["files"].append(f)
+        calls[-1]["bytes"] += size
+    if a.peers:
+        size = dir_bytes("whl-peers")
+        call = next((c for c in calls if tree + c["bytes"] + size <= CARRY_LIMIT), None)
+        if call is None:
+            calls.append(call := {"kit": [], "files": [], "bytes": 0})
+        call["kit"].append("whl-peers")
+        call["bytes"] += size
+    for k, call in enumerate(calls, 1):
         (dest / f"in-{k}").mkdir()
-        for f in group:
+        for f in call["files"]:
             shutil.copyfile(f, dest / f"in-{k}" / f.name)
-        carry = [f".device/scale/kit/{d}" for d in kit_dirs] * (k == 1) + [f".device/scale/in-{k}"]
-        size = tree + sum(f.stat().st_size for f in group) + kit_bytes * (k == 1)
-        log(f"call {k}: carry {json.dumps(carry)} ({size / 2**20:.1f} of 64 MiB; "
-            f"{', '.join(f.name for f in group) or 'no payload'})")
+        carry = [f".device/scale/kit/{d}" for d in call["kit"]] + [f".device/scale/in-{k}"]
+        log(f"call {k}: carry {json.dumps(carry)} ({(tree + call['bytes']) / 2**20:.1f} of 64 MiB; "
+            f"{', '.join(f.name for f in call['files']) or 'no payload'})")
     if len(calls) > 1:
         log("calls after the first must find the machine warm (issue each within 30 s of the last)")
+    return [[f".device/scale/kit/{d}" for d in c["kit"]] + [f.name for f in c["files"]] for c in calls]
 
 
 # ------------------------------------------------------------------------------------------------ estimate (here)

@@ -203,3 +203,41 @@ def test_one_peers_files_at_a_time_from_ours_samples(runs, tiny_target):
     capped = json.loads((b.results / "peer-plan.json").read_text())
     assert capped["shards"] == plan["shards"][:1] and not capped["equal_to_sub"]
     assert ras.ours_for_peers(capped) == "paper@peer" and ras.ours_for_peers(plan) == "paper@sub"
+
+
+def test_carry_plans_calls_within_the_limit(tmp_path, monkeypatch):
+    """`carry --cold --peers`: call 1 takes the kit's data and wheels and what else fits, the GGUF parts and the
+    bundle go in order into the next calls, the peers' wheels into the first call with room; every call stays
+    under the limit and each payload file lands in its call's folder."""
+    mib = 2**20
+    monkeypatch.setattr(ras, "CARRY_LIMIT", 10 * mib)
+    monkeypatch.setattr(ras, "tree_bytes", lambda repo: 0)  # + carry's 1 MiB of slack
+    kit = tmp_path / "scale" / "kit"
+    for rel, size in {"data/turns.gz": 1, "whl/a.whl": 1, "gguf/m.gguf.part00": 6, "gguf/m.gguf.part01": 6,
+                      "whl-peers/p.whl": 3}.items():
+        (kit / rel).parent.mkdir(parents=True, exist_ok=True)
+        (kit / rel).write_bytes(b"\0" * (size * mib))
+    (kit / "gguf" / "m.gguf.set.json").write_text("{}")
+    back = tmp_path / "back"
+    back.mkdir()
+    (back / "bundle.tar.zst.part00").write_bytes(b"\0" * mib)
+    (back / "bundle.tar.zst.set.json").write_text("{}")
+    plan = ras.stage_carry(ras.parse_args(["carry", "--kit", str(kit), "--cold", "--peers", "--in", str(back)]))
+    assert plan == [[".device/scale/kit/data", ".device/scale/kit/whl", "m.gguf.part00"],
+                    ["m.gguf.part01", "m.gguf.set.json", "bundle.tar.zst.part00", "bundle.tar.zst.set.json"],
+                    [".device/scale/kit/whl-peers"]]
+    assert sorted(p.name for p in (tmp_path / "scale" / "in-2").iterdir()) == sorted(plan[1])
+    assert not any((tmp_path / "scale" / "in-3").iterdir())
+    monkeypatch.setattr(ras, "CARRY_LIMIT", 6 * mib)  # a part larger than a call can carry: refused
+    with pytest.raises(SystemExit, match="does not fit one call"):
+        ras.stage_carry(ras.parse_args(["carry", "--kit", str(kit), "--cold"]))
+
+
+def test_run_names_combine_variants_left_to_right():
+    s, data = ras.run_spec("batch-4+epochs-3@sub")
+    assert (s["batch_size"], s["epochs"], s["lr"], data) == (4, 3.0, ras.SCALE["lr"], "sub")
+    assert ras.run_spec("paper")[0]["batch_size"] == ras.SCALE["batch_size"] and ras.run_spec("paper")[1] == "all"
+    assert ras.run_spec("lr-1.2e-3+lr-2.4e-3@peer")[0]["lr"] == 2.4e-3
+    for bad in ("batch-4+nope", "paper@half", "+paper"):
+        with pytest.raises(SystemExit, match="unknown run"):
+            ras.run_spec(bad)
