@@ -476,7 +476,10 @@ def peer_env() -> dict:
 def stage_specforge(a) -> None:
     """SpecForge 0.2.0 offline DFlash training on the same samples, then its export to a DFlashDraftModel dir.
     Settings: ours where SpecForge has the knob (lr, warmup, cosine, clip 1.0, anchors, gamma, max length,
-    epochs); its own where it has none (bf16 params + fp32-master AdamW (0.9, 0.999), FSDP wrapper, batch 1)."""
+    epochs); its own where it has none (bf16 params + fp32-master AdamW (0.9, 0.999), FSDP wrapper). Batch:
+    `a.specforge_batch` (default 1, its default; its offline DFlash collate pads, so any batch works: anchors per
+    sample, the loss a weighted ratio over the batch). `max_steps` is also its cosine horizon, so it is the
+    optimizer steps the data gives: epochs x (samples // batch) (its loader drops the last partial batch)."""
     import yaml
 
     w, out = Path(a.work), Path(a.out)
@@ -485,14 +488,15 @@ def stage_specforge(a) -> None:
     r, man = recipe(w), read_json(w / "peer_sf" / "manifest.json")
     (w / "sf_draft").mkdir(parents=True, exist_ok=True)
     write_json(w / "sf_draft" / "config.json", draft_config(w, r))
-    steps = int(r["epochs"] * man["samples"])
+    batch = int(getattr(a, "specforge_batch", 0) or 1)
+    steps = int(r["epochs"] * (man["samples"] // batch))
     cfg = {"run_id": "sbs-specforge", "output_dir": str(w / "sf_out"),
            "model": {"target_model_path": str(target_dir(w)), "draft_model_config": str(w / "sf_draft" / "config.json"),
                      "mask_token_id": r["mask_token_id"], "torch_dtype": "bfloat16"},
            "data": {"hidden_states_path": str(w / "peer_sf"), "max_length": r["max_length"],
                     "dataloader_num_workers": 4},
            "training": {"strategy": "dflash", "attention_backend": "flex_attention", "num_epochs": max(1, round(r["epochs"])),
-                        "max_steps": steps, "batch_size": 1, "learning_rate": r["lr"], "lr_scheduler": "cosine",
+                        "max_steps": steps, "batch_size": batch, "learning_rate": r["lr"], "lr_scheduler": "cosine",
                         "warmup_ratio": r["warmup_ratio"], "max_grad_norm": 1.0, "num_anchors": r["num_anchors"],
                         "loss_type": "dflash", "loss_decay_gamma": r["gamma"], "log_interval": 5, "save_interval": 0,
                         "seed": 0},
@@ -501,7 +505,8 @@ def stage_specforge(a) -> None:
     shutil.copyfile(w / "sf.yaml", out / "specforge.yaml")
     t = time.perf_counter()
     sh([sys.executable, "-m", "specforge.cli", "train", "-c", w / "sf.yaml"], out / "train_specforge.log", env=peer_env())
-    write_json(out / "specforge_run.json", {"wall_s": time.perf_counter() - t, "steps": steps, "samples": man["samples"],
+    write_json(out / "specforge_run.json", {"wall_s": time.perf_counter() - t, "steps": steps, "batch_size": batch,
+                                            "samples": man["samples"],
                                             "tokens": man["tokens"] * r["epochs"]})
     sh([sys.executable, "-m", "specforge.cli", "export", "--to", "hf", "--checkpoint", w / "sf_out", "--draft-config",
         w / "sf_draft" / "config.json", "--output-dir", w / "sf_export"], out / "train_specforge.log", env=peer_env())

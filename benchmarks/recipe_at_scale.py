@@ -901,6 +901,15 @@ def stage_peer_data(a) -> None:
         f"in {man['seconds']:.0f} s")
 
 
+def peer_run_name(a, w: Work) -> str:
+    """The peer's drafter name: `speculators`; `specforge` at our batch size, `specforge-bN` at another
+    (--specforge-batch 1: its default), so both can be trained and evaluated side by side."""
+    if a.peer != "specforge" or not a.specforge_batch:
+        return a.peer
+    ours = run_spec(ours_for_peers(read_json(w.results / "peer-plan.json")))[0]["batch_size"]
+    return "specforge" if a.specforge_batch == ours else f"specforge-b{a.specforge_batch}"
+
+
 def stage_peer_train(a) -> None:
     """The peer's own trainer on its files (real_target_side_by_side.py's stage, settings as documented there),
     its drafter converted to a DFlashDraftModel directory under drafters/ (evaluate picks it up)."""
@@ -908,15 +917,20 @@ def stage_peer_train(a) -> None:
 
     w = Work(a.work)
     name = {"specforge": "sf_export", "speculators": "spec_export"}[a.peer]
-    if (w.drafters / a.peer / "config.json").exists():
+    run_name = peer_run_name(a, w)
+    if (w.drafters / run_name / "config.json").exists():
         return
     p = peer_layout(w)
+    for d in (name, "sf_out" if a.peer == "specforge" else "spec_out"):  # another batch's run of this peer
+        shutil.rmtree(p / d, ignore_errors=True)
     t = time.perf_counter()
-    getattr(sbs, f"stage_{a.peer}")(argparse.Namespace(work=str(p), out=str(p / "logs"), device=a.device))
-    shutil.copytree(p / name, w.drafters / a.peer)
+    batch = a.specforge_batch or run_spec(ours_for_peers(read_json(w.results / "peer-plan.json")))[0]["batch_size"]
+    getattr(sbs, f"stage_{a.peer}")(argparse.Namespace(work=str(p), out=str(p / "logs"), device=a.device,
+                                                       specforge_batch=batch))
+    shutil.copytree(p / name, w.drafters / run_name)
     run = read_json(p / "logs" / f"{a.peer}_run.json", {}) or {}
-    write_json(w.results / f"train-{a.peer}.json", dict(run, wall_s_stage=time.perf_counter() - t))
-    w.update(runs={a.peer: {"trained": True, "exported": True}})
+    write_json(w.results / f"train-{run_name}.json", dict(run, wall_s_stage=time.perf_counter() - t))
+    w.update(runs={run_name: {"trained": True, "exported": True}})
 
 
 def stage_peer_clean(a) -> None:
@@ -1125,6 +1139,8 @@ def parse_args(argv=None):
                     help="peer-data / peer-train / peer-clean: which peer")
     ap.add_argument("--peer-shards", type=int, default=0,
                     help="peer-plan: at most this many token shards for the peers (0: the @sub share)")
+    ap.add_argument("--specforge-batch", type=int, default=0,
+                    help="peer-train: SpecForge's batch size (0: ours, the compared run's; 1: SpecForge's default)")
     ap.add_argument("--bundle-optimizer", choices=["auto", "always", "never"], default="auto",
                     help="pack: the optimizer moments with the checkpoint (auto: when the bundle budget allows)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])

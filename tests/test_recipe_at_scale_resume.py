@@ -190,6 +190,22 @@ def test_one_peers_files_at_a_time_from_ours_samples(runs, tiny_target):
     hidden = json.loads((tiny_target / "config.json").read_text())["hidden_size"]
     assert x["hidden_states"].shape == (len(x["input_ids"]), n_ids * hidden)
     assert x["hidden_states"].dtype == torch.bfloat16
+    # SpecForge at our batch (its knob: ours) or at its default 1, under two names; max_steps (also its cosine
+    # horizon) is the optimizer steps the data gives. No GPU here: its trainer stops after the config is written.
+    import yaml
+
+    def sf_args(batch):
+        return ras.parse_args(["peer-train", "--peer", "specforge", "--specforge-batch", str(batch)])
+
+    assert [ras.peer_run_name(sf_args(b), a) for b in (0, ras.SCALE["batch_size"], 1)] == \
+        ["specforge", "specforge", "specforge-b1"]
+    epochs = ras.run_spec("paper@sub")[0]["epochs"]
+    for batch, steps in ((1, man["samples"]), (0, man["samples"] // ras.SCALE["batch_size"])):
+        with pytest.raises(SystemExit, match="specforge.cli train"):
+            call("peer-train", extra=("--peer", "specforge", "--specforge-batch", str(batch)))
+        training = yaml.safe_load((a.peers / "sf.yaml").read_text())["training"]
+        assert training["batch_size"] == (batch or ras.SCALE["batch_size"])
+        assert training["max_steps"] == int(epochs * steps)
     with pytest.raises(SystemExit, match="peer-clean"):
         call("peer-data", extra=("--peer", "speculators"))
     call("peer-clean", extra=("--peer", "specforge"))
