@@ -21,7 +21,7 @@ rule tokenize:
     params:
         model=lambda wc, input: target_model_dir(input.model),
         target=TOKENIZER_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
-        settings=PARAMS.stage("tokenize", trivial_tokens=config["audit"]["trivial_response_tokens"], **PARAMS.trust),
+        settings=lambda wc: PARAMS.tokenize(wc.dataset),
         partial=lambda wc, output: output[0] + ".partial",
     shell:
         # written under .partial and renamed: a killed job leaves nothing a rerun takes for complete

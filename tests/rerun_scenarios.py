@@ -96,6 +96,7 @@ change_resources = config_change(
     "resources.yaml",
     "train:\n  gpus: 2\n  nodes: 1\n  mem_mb: 64000\n  runtime_min: 99\nevaluate:\n  gpus: 1\n  mem_mb: 9000\n"
     "extract:\n  gpus: 1\n  mem_mb: 9000\n  runtime_min: 99\ngenerate:\n  mem_mb: 64000\n  runtime_min: 99\n")
+change_turn_samples_first = config_change("turn_samples.yaml", "tokenize:\n  turn_samples: every\n")
 change_operational = config_change(
     "operational.yaml",
     "generate:\n  progress_interval_s: 3\n  request_timeout_s: 60\n  all_down_timeout_s: 30\n  max_retries: 2\n"
@@ -126,6 +127,9 @@ TABLE = [
     ("resources only (GPUs of train, extract and evaluate, nodes, memory, run time)",
      "only the run's report (its GPU-hours); no stage (`generate.gpus` also re-plans: the plan's GPU-hours)",
      change_resources),
+    ("`tokenize.turn_samples` while `generate.turns: first` (one generated turn a conversation: the same samples)",
+     "nothing (with `turns: all`: the regenerated tokenize, its audit and gate, every extract, train onwards)",
+     change_turn_samples_first),
     ("an operational knob: progress interval, timeouts, retries, journal flush, the list of running servers, "
      "CPU threads (hf generation, encode, train, evaluate), evaluation batch and CUDA graphs", "nothing", change_operational),
 ]

@@ -23,7 +23,7 @@ import readme_path
 
 from conftest import BIN, run_cli
 from rerun_scenarios import (TABLE, add_raw_file, change_one_record, change_operational, change_resources,
-                             copy_run, ran, readme_table)
+                             change_turn_samples_first, copy_run, ran, readme_table)
 from workflow_runs import changed, make_workdir, planned, snakemake, snapshot, workflow_env
 
 from dflash_pipeline.planning.calibration_sample import sample_identity
@@ -271,7 +271,7 @@ def _expected(change, shards: int) -> dict[str, int]:
 
 
 REAL_RUN_CHANGES = [change for _, _, change in TABLE
-                    if change.__name__ not in ("resources", "operational")]
+                    if change.__name__ not in ("resources", "operational", "turn_samples")]
 
 
 @pytest.mark.parametrize("change", REAL_RUN_CHANGES, ids=lambda c: c.__name__)
@@ -314,7 +314,8 @@ def test_one_invocation_redoes_exactly_what_the_change_invalidates(pristine, tmp
         assert calibration.stat().st_mtime_ns == before[str(calibration.relative_to(work))]
 
 
-@pytest.mark.parametrize("change", [change_resources, change_operational], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("change", [change_resources, change_operational, change_turn_samples_first],
+                         ids=lambda c: c.__name__)
 def test_resources_and_operational_knobs_rerun_nothing(pristine, tmp_path, change):
     """More GPUs, nodes or memory for a stage is a scheduling change; progress, timeouts, retries, journal
     flushing, the running servers and encode threads change how a job runs, not what it writes."""

@@ -47,6 +47,8 @@ def test_each_stage_accepts_what_its_rule_passes(names):
     accepts("generate", params.generate(), params.generate_runtime())
     accepts("calibrate", params.generate(), params.generate_runtime())
     accepts("extract", params.extract())
+    for dataset in ("source", "regenerated"):
+        accepts("tokenize", params.tokenize(dataset))
     accepts("train", params.train(), params.runtime("train"))
     accepts("evaluate", params.stage("evaluate", drop=("prompts_file",), **params.trust), params.runtime("evaluate"))
     for built in (params.generate(), params.extract(), params.train()):
@@ -73,3 +75,18 @@ def test_a_backend_without_what_it_needs_is_one_line():
         RuleParams(config("config.yaml", generate={"backend": "servers"}), "results").generate()
     with pytest.raises(PipelineError, match="generate.gpus is 0"):
         RuleParams(config("config.yaml", generate={"backend": "sglang", "gpus": 0}), "results").generate()
+
+
+def test_turn_samples_reaches_only_the_regenerated_tokenize_and_only_when_set():
+    """The default leaves every tokenize param as it was (no rerun after an upgrade); `every` changes the
+    regenerated dataset's params only, and only with `generate.turns: all`."""
+    default = RuleParams(config("config.yaml", generate={"turns": "all"}), "results")
+    every = RuleParams(config("config.yaml", generate={"turns": "all"}, tokenize={"turn_samples": "every"}),
+                       "results")
+    first = RuleParams(config("config.yaml", generate={"turns": "first"}, tokenize={"turn_samples": "every"}),
+                       "results")
+    assert "turn_samples" not in json.loads(default.tokenize("regenerated"))
+    assert default.tokenize("source") == every.tokenize("source") == default.tokenize("regenerated") == \
+        first.tokenize("regenerated")  # one generated turn a conversation: the same samples either way
+    assert json.loads(every.tokenize("regenerated"))["turn_samples"] == "every"
+    accepts("tokenize", every.tokenize("regenerated"))

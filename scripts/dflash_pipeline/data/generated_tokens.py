@@ -16,20 +16,44 @@ including earlier turns of a `turns: all` conversation (which the template re-re
 thinking, so they are not the ids the target emitted) is context only.
 
 Rows without ids (a backend that returned none) fall back to the text rendering of the chat masker.
+
+`tokenize.turn_samples: every` makes one sample of each generated turn (`turn_rows`): turn k's exact stream is
+`turn_prompt_ids[k] + output_ids[k]` (the completions store every turn's prompt ids), supervised on its output,
+under the ids `sample_ids.py` gives. A row without per-turn prompt ids (an engine that reported none, a journal
+from before the column) gives its last turn only.
 """
 
 from __future__ import annotations
 
 from dflash_pipeline.data.chat_masking import MaskedSample
+from dflash_pipeline.sample_ids import turn_sample_id
 
 
-def token_id_columns(table) -> list[tuple[list[int], list[list[int]]] | None]:
-    """Per row of a completions table: (prompt_ids, output_ids per turn), or None without ids."""
+def token_id_columns(table) -> list[tuple[list[int], list[list[int]], list | None] | None]:
+    """Per row of a completions table: (prompt_ids, output_ids per turn, prompt ids per turn or None), or None
+    without ids."""
     names = table.column_names
     if "output_ids" not in names or "prompt_ids" not in names:
         return [None] * table.num_rows
     prompts, outputs = table.column("prompt_ids").to_pylist(), table.column("output_ids").to_pylist()
-    return [(p, o) if p is not None and o else None for p, o in zip(prompts, outputs)]
+    turns = (table.column("turn_prompt_ids").to_pylist() if "turn_prompt_ids" in names
+             else [None] * table.num_rows)
+    return [(p, o, t if t and len(t) == len(o) else None) if p is not None and o else None
+            for p, o, t in zip(prompts, outputs, turns)]
+
+
+def turn_rows(sample_id: str, messages: list[dict], ids) -> list[tuple[str, list[dict], tuple]]:
+    """`turn_samples: every`: the row as one (sample id, messages up to that turn, ids) per generated turn; the
+    row unchanged when it has one turn, no per-turn prompt ids, or fewer assistant messages than turns."""
+    if ids is None or ids[2] is None or len(ids[1]) < 2:
+        return [(sample_id, messages, ids)]
+    prompts, outputs = ids[2], ids[1]
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(answers) < len(outputs):
+        return [(sample_id, messages, ids)]
+    generated, last = answers[len(answers) - len(outputs):], len(outputs) - 1  # the generated turns come last
+    return [(turn_sample_id(sample_id, k, last), messages[:generated[k] + 1],
+             (prompts[k], outputs[:k + 1], None)) for k in range(len(outputs))]
 
 
 def sample_from_ids(prompt_ids: list[int], output_ids: list[list[int]], closing_ids: list[int],

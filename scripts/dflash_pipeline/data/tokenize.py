@@ -30,9 +30,10 @@ import jinja2
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_pipeline import settings
 from dflash_pipeline.data.audit_stats import AUDIT_FORMAT, Histogram, answer_hash, answer_key
 from dflash_pipeline.data.conversations import ROLES, check_conversation_table, sample_tools, tool_calls_of
-from dflash_pipeline.data.generated_tokens import encode_conversations, token_id_columns
+from dflash_pipeline.data.generated_tokens import encode_conversations, token_id_columns, turn_rows
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.progress import Progress
 from dflash_pipeline.storage import atomic_path, write_json
@@ -51,7 +52,8 @@ TOKENS_SCHEMA = pa.schema(
     ]
 )
 COUNTS = ("truncated", "trivial", "no_supervision", "empty_response", "not_ending_with_assistant", "system_prompt",
-          "closing_missing", "control_tokens", "template_error", "tools_unsupported", "tool_call_samples")
+          "closing_missing", "control_tokens", "template_error", "tools_unsupported", "tool_call_samples",
+          "earlier_turn_samples")  # the last: samples of earlier generated turns (tokenize.turn_samples: every)
 # what a chat template raises for a record it cannot render (`raise_exception(...)`, an undefined attribute,
 # adding None to a string): that record is left out with the reason, the shard goes on
 TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError)
@@ -270,7 +272,7 @@ class ShardTokenizer:
     (loading a 248K-token vocabulary costs seconds: a job that takes several shards pays it once)."""
 
     def __init__(self, model_dir: str, max_length: int, enable_thinking: bool = True, batch_size: int = 256,
-                 trivial_tokens: int = 6, trust_remote_code: bool = False):
+                 trivial_tokens: int = 6, trust_remote_code: bool = False, turn_samples: str | None = None):
         from dflash_pipeline.data.chat_masking import ChatMasker
 
         t0 = time.perf_counter()
@@ -285,8 +287,9 @@ class ShardTokenizer:
                                 f"({type(exc).__name__}: {exc})") from None
         self.pattern = control_token_pattern(tokenizer)
         self.batch_size, self.trivial_tokens = batch_size, trivial_tokens
+        self.turn_samples = turn_samples or settings.default("tokenize.turn_samples")
         self.settings = {"max_length": max_length, "enable_thinking": enable_thinking, "trivial_tokens": trivial_tokens,
-                         "model": model_dir, "closing": self.masker.closing}
+                         "model": model_dir, "closing": self.masker.closing, "turn_samples": self.turn_samples}
         self.load_seconds = time.perf_counter() - t0
 
     def shard(self, input_path: str, out_tokens: str, out_audit: str, progress: Progress | None = None) -> dict:
@@ -304,8 +307,13 @@ class ShardTokenizer:
             conversations = table.column("messages").slice(lo, self.batch_size).to_pylist()
             for k, messages in enumerate(conversations):
                 check_conversation(input_path, lo + k, ids[lo + k], messages)
-            part = _encode_batch(self.masker, ids[lo:lo + self.batch_size], conversations, audit, self.pattern,
-                                 trusted, token_ids[lo:lo + self.batch_size], tools[lo:lo + self.batch_size])
+            rows = list(zip(ids[lo:lo + self.batch_size], conversations, token_ids[lo:lo + self.batch_size],
+                            tools[lo:lo + self.batch_size]))
+            if self.turn_samples == "every":  # one row per generated turn (generated_tokens.turn_rows)
+                rows = [(sid, msgs, t, tl) for sid0, m0, t0, tl in rows for sid, msgs, t in turn_rows(sid0, m0, t0)]
+                audit.counts["earlier_turn_samples"] += len(rows) - len(conversations)
+            part = _encode_batch(self.masker, [r[0] for r in rows], [r[1] for r in rows], audit, self.pattern,
+                                 trusted, [r[2] for r in rows], [r[3] for r in rows])
             if part is not None:
                 parts.append(part)
             if progress:
@@ -347,6 +355,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int)
     p.add_argument("--trivial-tokens", type=int)
     p.add_argument("--trust-remote-code", action="store_true", default=None)
+    p.add_argument("--turn-samples", choices=["last", "every"],
+                   help="regenerated conversations: one sample per conversation (last) or per generated turn (every)")
 
 
 def _outputs(args) -> list[tuple[str, str, str]]:
@@ -363,7 +373,7 @@ def run(args) -> int:
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
     tok = ShardTokenizer(args.model, args.max_length, args.enable_thinking, args.batch_size, args.trivial_tokens,
-                         args.trust_remote_code)
+                         args.trust_remote_code, args.turn_samples)
     total = sum(_row_count(input_path) for input_path, _, _ in jobs)
     progress = Progress(f"tokenize ({len(jobs)} shard{'s' if len(jobs) > 1 else ''})", total, "samples", log)
     for input_path, out, audit_path in jobs:

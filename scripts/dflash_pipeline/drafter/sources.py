@@ -18,16 +18,18 @@ import numpy as np
 import torch
 
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.sample_ids import conversation_id
 
 TOKEN_COLUMNS = ("sample_id", "input_ids", "loss_mask")
 SHUFFLE_GROUP_SHARDS = 4  # samples are shuffled within groups of this many shards (locality for readers)
 
 
 def is_holdout(sample_id: str, fraction: float) -> bool:
-    """A stable, config-independent split: the evaluation prompts are never trained on."""
+    """A stable, config-independent split: the evaluation prompts are never trained on. By conversation: the
+    samples of one conversation's turns (sample_ids.py) fall on the same side."""
     if fraction <= 0:
         return False
-    h = int.from_bytes(hashlib.sha256(f"dflash-holdout:{sample_id}".encode()).digest()[:8], "big")
+    h = int.from_bytes(hashlib.sha256(f"dflash-holdout:{conversation_id(sample_id)}".encode()).digest()[:8], "big")
     return h / 2**64 < fraction
 
 

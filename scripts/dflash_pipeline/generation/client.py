@@ -45,6 +45,10 @@ COMPLETION_SCHEMA = pa.schema(
         ("output_ids", pa.list_(pa.list_(pa.int32()))),
         # The prompt ids of the last generated turn: prompt_ids + output_ids[-1] is the exact token stream.
         ("prompt_ids", pa.list_(pa.int32())),
+        # The prompt ids of every generated turn in order (the last is prompt_ids): turn k's exact stream is
+        # turn_prompt_ids[k] + output_ids[k] (tokenize.turn_samples: every). Null where an engine reported no ids
+        # and in journals written before the column (those rows give their last turn only).
+        ("turn_prompt_ids", pa.list_(pa.list_(pa.int32()))),
         # `turns: all` with tools: why the conversation ends early (the target called other tools than the
         # original turn; its later tool results would answer calls that were not made), null otherwise
         ("cut_reason", pa.string()),
@@ -276,6 +280,7 @@ class _Conversation:
     finish: str | None = None
     turn_ids: list = field(default_factory=list)
     prompt_ids: list[int] | None = None
+    turn_prompt_ids: list = field(default_factory=list)
     truncated: bool = False
     cut_reason: str | None = None
 
@@ -289,6 +294,7 @@ class _Conversation:
         self.finish = result.finish_reason
         self.turn_ids.append(result.output_ids)
         self.prompt_ids = result.prompt_ids
+        self.turn_prompt_ids.append(result.prompt_ids)
         self.generated += 1
 
 
@@ -394,6 +400,8 @@ async def generate_sample(engine, sample: dict, params: SamplingParams, policy: 
         "attempts": tally[0],
         "output_ids": conv.turn_ids if ok and all(t is not None for t in conv.turn_ids) else None,
         "prompt_ids": conv.prompt_ids if ok else None,
+        "turn_prompt_ids": (conv.turn_prompt_ids if ok and all(p is not None for p in conv.turn_prompt_ids)
+                            and all(t is not None for t in conv.turn_ids) else None),
         "cut_reason": conv.cut_reason if ok else None,
         "permanent": permanent,
     }

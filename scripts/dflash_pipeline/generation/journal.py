@@ -37,7 +37,9 @@ from dflash_pipeline.storage import redact_credentials
 
 LOG = logging.getLogger(__name__)
 JOURNAL_VERSION = 1
-# the record's shape (columns of client.COMPLETION_SCHEMA): 2 added output_ids and prompt_ids
+# the record's shape (columns of client.COMPLETION_SCHEMA): 2 added output_ids and prompt_ids. turn_prompt_ids came
+# later without a new format: a record without it reads as null (its row gives its last turn only), so a journal
+# written before it still resumes
 RECORD_FORMAT = 2
 STATUSES = ("ok", "failed")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from dflash_pipeline import settings
 from dflash_pipeline.errors import PipelineError
 
 # Keys that size a job rather than change its output: kept out of the settings (and out of params), so that
@@ -62,6 +63,17 @@ class RuleParams:
         settings = {k: values[k] for k in wanted if k in values}
         settings.update(extra)
         return json.dumps(settings, sort_keys=True, default=str)
+
+    def tokenize(self, dataset: str) -> str:
+        """tokenize's --settings for a dataset (`source`: the ingested shards; else the regenerated completions).
+        `turn_samples` only where it can change the samples: the completions of `generate.turns: all` (the source
+        has no generated turns, `turns: first` one per conversation), and only when it is not the schema's default
+        (the params of configs that never set it stay as they were)."""
+        default = settings.default("tokenize.turn_samples")
+        matters = dataset != "source" and self.config["generate"].get("turns") == "all"
+        drop = () if matters and self.config["tokenize"].get("turn_samples") != default else ("turn_samples",)
+        return self.stage("tokenize", drop=drop, trivial_tokens=self.config["audit"]["trivial_response_tokens"],
+                          **self.trust)
 
     def _mirror(self, configured: str, under: str) -> str:
         """A configured mirror, else (outputs on S3) a prefix beside the outputs, so a job restarted on another
