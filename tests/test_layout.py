@@ -14,7 +14,7 @@ STAGE_PACKAGES = {"data", "generation", "hidden_states", "planning", "drafter", 
                   "target_import"}
 SHARED_PACKAGES = {"settings"}  # the config schema and the typed settings every stage reads
 SHARED_MODULES = {"cli", "errors", "progress", "storage", "target", "target_layers", "package_paths",
-                  "write_checks", "workflow_files", "compile_profile", "process_clock"} | SHARED_PACKAGES
+                  "write_checks", "workflow_files", "compile_profile", "process_clock", "sample_ids"} | SHARED_PACKAGES
 MAX_FUNCTION_LINES = 80
 
 

@@ -41,7 +41,8 @@ def accepts(stage: str, settings_json: str, runtime: dict | None = None) -> None
 
 
 @pytest.mark.parametrize("names", [("config.yaml",), ("config.yaml", "qwen3-8b.example.yaml"),
-                                   ("config.yaml", "smollm2-real.yaml")])
+                                   ("config.yaml", "smollm2-real.yaml"),
+                                   ("config.yaml", "smollm2-real.yaml", "smollm2-scale.yaml")])
 def test_each_stage_accepts_what_its_rule_passes(names):
     params = RuleParams(config(*names, target={"trust_remote_code": True}), "results")
     accepts("generate", params.generate(), params.generate_runtime())
@@ -90,3 +91,14 @@ def test_turn_samples_reaches_only_the_regenerated_tokenize_and_only_when_set():
         first.tokenize("regenerated")  # one generated turn a conversation: the same samples either way
     assert json.loads(every.tokenize("regenerated"))["turn_samples"] == "every"
     accepts("tokenize", every.tokenize("regenerated"))
+
+
+def test_max_turns_is_a_generate_param_only_when_it_cuts():
+    """`generate.max_turns` reaches generate's (and calibrate's) settings with `turns: all` and a limit set; at its
+    default, or with `turns: first`, the params stay as they were."""
+    base = json.loads(RuleParams(config("config.yaml", generate={"turns": "all"}), "results").generate())
+    first = json.loads(RuleParams(config("config.yaml", generate={"max_turns": 3}), "results").generate())
+    capped = RuleParams(config("config.yaml", generate={"turns": "all", "max_turns": 3}), "results")
+    assert "max_turns" not in base and "max_turns" not in first
+    assert json.loads(capped.generate())["max_turns"] == 3
+    accepts("generate", capped.generate(), capped.generate_runtime())

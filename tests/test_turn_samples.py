@@ -81,3 +81,23 @@ def test_the_holdout_split_keeps_a_conversations_turns_together():
         assert all(is_holdout(f"{i}#turn{k}", 0.2) == is_holdout(i, 0.2) for k in range(3))
     assert conversation_id("a#turn12") == "a" and conversation_id("a#turnx") == "a#turnx"
     assert conversation_id("a#turn1#turn2") == "a#turn1" and conversation_id("plain") == "plain"
+
+
+def test_max_turns_ends_a_conversation_after_its_first_answers(completions, tiny_target):
+    """`generate.max_turns: 1` with `turns: all`: a conversation ends after its first answer, which is the
+    uncapped run's (greedy); its later user turns are not sent, nor kept."""
+    tmp, _, full_out = completions
+    out = tmp / "capped.parquet"
+    gen(tmp / "in.parquet", out, "--backend", "hf", "--model", tiny_target, "--max-new-tokens", "6",
+        "--temperature", "0", "--threads", "1", "--batch-size", "4", "--turns", "all", "--max-turns", "1")
+    full = {r["sample_id"]: r for r in read_completions(full_out)}
+    capped = read_completions(out)
+    assert sum(full[r["sample_id"]]["generated_turns"] > 1 for r in capped) >= 3  # something to cut
+    for r in capped:
+        f = full[r["sample_id"]]
+        assert r["generated_turns"] == 1
+        assert r["output_ids"] == f["output_ids"][:1] and r["turn_prompt_ids"] == f["turn_prompt_ids"][:1]
+        first_answer = next(i for i, m in enumerate(f["messages"]) if m["role"] == "assistant")
+        assert r["messages"] == f["messages"][:first_answer + 1]
+        assert json.loads(r["sampling_params"])["max_turns"] == 1
+    assert "max_turns" not in json.loads(full[capped[0]["sample_id"]]["sampling_params"])

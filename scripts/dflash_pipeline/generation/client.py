@@ -120,6 +120,7 @@ class Policy:
     """What the client does around each request (config `generate:`)."""
 
     turns: str = settings.field("generate.turns")                # first | all
+    max_turns: int = settings.field("generate.max_turns")        # turns: all: at most this many (0: all)
     on_length: str = settings.field("generate.on_length")        # keep | drop | retry
     length_retry_max_new_tokens: int = settings.field("generate.length_retry_max_new_tokens")  # the one retry's
     max_retries: int = settings.field("generate.max_retries")
@@ -308,7 +309,11 @@ async def _regenerate(engine, original: list[dict], params, policy, counters, ta
 
     conv = _Conversation()
     cursor, answered = 0, None  # answered: (original turn, the target's calls) of the last generated turn
+    capped = False
     for pos in turn_plan(original, policy.turns):
+        if policy.max_turns and conv.generated >= policy.max_turns:
+            capped = True  # the conversation ends after its first max_turns answers
+            break
         # user/system turns; an original assistant turn survives only before the first user turn
         before = [m for m in original[cursor:pos] if m["role"] != "assistant" or conv.generated == 0]
         conv.messages.extend(renamed_results(before, *answered) if answered else before)
@@ -333,7 +338,7 @@ async def _regenerate(engine, original: list[dict], params, policy, counters, ta
         if cut:
             conv.cut_reason = cut
             return conv
-    if policy.turns == "all":
+    if policy.turns == "all" and not capped:
         rest = [m for m in original[cursor:] if m["role"] != "assistant"]
         conv.messages.extend(renamed_results(rest, *answered) if answered else rest)
     if conv.generated == 0:

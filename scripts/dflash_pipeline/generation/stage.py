@@ -102,6 +102,8 @@ def _add_sampling_arguments(sp) -> None:
     sp.add_argument("--turns", choices=["first", "all"],
                     help="first: answer the first user turn only; all: every assistant turn, in order, "
                          "conditioned on the model's own earlier answers")
+    sp.add_argument("--max-turns", type=int,
+                    help="turns all: regenerate at most this many assistant turns of a conversation (0: all)")
     sp.add_argument("--on-length", choices=["keep", "drop", "retry"],
                     help="what to do with an answer cut at max_new_tokens (finish_reason=length)")
     sp.add_argument("--length-retry-max-new-tokens", type=int,
@@ -165,7 +167,7 @@ def request_settings(args) -> tuple[SamplingParams, Policy]:
     """The sampling parameters and client policy of these flags (`calibrate` sends exactly what `generate` does)."""
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, enable_thinking=args.enable_thinking, seed=args.seed)
-    policy = Policy(turns=args.turns, on_length=args.on_length,
+    policy = Policy(turns=args.turns, max_turns=args.max_turns, on_length=args.on_length,
                     length_retry_max_new_tokens=args.length_retry_max_new_tokens, max_retries=args.max_retries,
                     backoff_base_s=args.backoff_base, backoff_max_s=args.backoff_max,
                     empty_retries=args.empty_retries)
@@ -204,8 +206,11 @@ def unidentified_weights(args, engine, ident: dict) -> str | None:
 def shard_settings(args, engine, params: SamplingParams, policy: Policy) -> tuple[str, dict, dict]:
     """(sampling JSON, journal settings, summary meta) of this run."""
     model = args.model_name or engine.model_name
+    # max_turns only when set: the journals (their fingerprint) and records of runs without it stay as they were
+    capped = {"max_turns": policy.max_turns} if policy.max_turns else {}
     sampling_json = params.to_json(turns=policy.turns, on_length=policy.on_length,
-                                   length_retry_max_new_tokens=policy.length_retry_max_new_tokens, api=args.api)
+                                   length_retry_max_new_tokens=policy.length_retry_max_new_tokens, api=args.api,
+                                   **capped)
     settings = {"model": model, "weights": weights_identity(args, engine), "record_format": RECORD_FORMAT,
                 "sampling": json.loads(sampling_json)}
     meta = {"model": model, "sampling_params": json.loads(sampling_json), "backend": args.backend}

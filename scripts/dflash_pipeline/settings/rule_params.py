@@ -18,7 +18,7 @@ RESOURCE_KEYS = frozenset({"gpus", "nodes", "mem_mb", "runtime_min"})
 RUNTIME_ONLY = {"train": ("cpu_threads",), "evaluate": ("cpu_threads", "batch_size", "eager")}
 # generate's settings that decide the answers (sampling, backend, turn and length policies)
 GENERATE_KEYS = ("backend", "api", "max_in_flight", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
-                 "enable_thinking", "turns", "on_length", "length_retry_max_new_tokens", "model_name")
+                 "enable_thinking", "turns", "max_turns", "on_length", "length_retry_max_new_tokens", "model_name")
 # the hf backend's settings that decide the answers (not threads: how fast, not what)
 HF_KEYS = ("batch_size", "device", "dtype", "context_length", "max_batch_tokens", "cache", "engine", "slot_width")
 # generate's operational knobs: option name -> config key
@@ -103,7 +103,11 @@ class RuleParams:
     def generate(self) -> str:
         """generate's and calibrate's --settings (calibrate measures what generate will do): not the resources,
         the calibration, the gate's limits, nor the operational knobs."""
-        return self.stage("generate", keys=GENERATE_KEYS, **self.generation_backend(), **self.trust)
+        gen = self.config["generate"]
+        # max_turns only when it can cut (turns: all) and is set: the params of configs without it stay as they were
+        cut = gen.get("turns") == "all" and gen.get("max_turns") != settings.default("generate.max_turns")
+        keys = [k for k in GENERATE_KEYS if k != "max_turns" or cut]
+        return self.stage("generate", keys=keys, **self.generation_backend(), **self.trust)
 
     def generate_runtime(self) -> dict:
         """Knobs that change how a generation job runs, never what it writes (progress, timeouts, retries,
