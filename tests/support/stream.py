@@ -87,8 +87,9 @@ class _Prefetcher:
             yield kind, value
 
     def stop(self) -> None:
-        with self.cond:
+        with self.job_lock:  # once this returns, no worker advances the plan (opens a shard) any more
             self.stopped = True
+        with self.cond:
             self.cond.notify_all()
 
 
@@ -113,5 +114,5 @@ def iter_shard_samples(paths: Sequence[str], seed: int | None = None, prefetch: 
             yield sample
     finally:
         prefetcher.stop()
-        for reader in opened:
+        for reader in list(opened):
             reader.close()
