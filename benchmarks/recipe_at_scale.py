@@ -901,13 +901,17 @@ def stage_peer_data(a) -> None:
         f"in {man['seconds']:.0f} s")
 
 
+def ours_batch(w: Work) -> int:
+    """The batch size of our run the peers are compared with."""
+    return run_spec(ours_for_peers(read_json(w.results / "peer-plan.json")))[0]["batch_size"]
+
+
 def peer_run_name(a, w: Work) -> str:
     """The peer's drafter name: `speculators`; `specforge` at our batch size, `specforge-bN` at another
     (--specforge-batch 1: its default), so both can be trained and evaluated side by side."""
-    if a.peer != "specforge" or not a.specforge_batch:
+    if a.peer != "specforge" or not a.specforge_batch or a.specforge_batch == ours_batch(w):
         return a.peer
-    ours = run_spec(ours_for_peers(read_json(w.results / "peer-plan.json")))[0]["batch_size"]
-    return "specforge" if a.specforge_batch == ours else f"specforge-b{a.specforge_batch}"
+    return f"specforge-b{a.specforge_batch}"
 
 
 def stage_peer_train(a) -> None:
@@ -924,7 +928,7 @@ def stage_peer_train(a) -> None:
     for d in (name, "sf_out" if a.peer == "specforge" else "spec_out"):  # another batch's run of this peer
         shutil.rmtree(p / d, ignore_errors=True)
     t = time.perf_counter()
-    batch = a.specforge_batch or run_spec(ours_for_peers(read_json(w.results / "peer-plan.json")))[0]["batch_size"]
+    batch = a.specforge_batch or ours_batch(w)
     getattr(sbs, f"stage_{a.peer}")(argparse.Namespace(work=str(p), out=str(p / "logs"), device=a.device,
                                                        specforge_batch=batch))
     shutil.copytree(p / name, w.drafters / run_name)

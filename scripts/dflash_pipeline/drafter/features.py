@@ -35,6 +35,13 @@ def target_features_and_predictions(target, input_ids, lengths, layer_ids) -> tu
         return cap.features(), pred
 
 
+def target_outputs(target, input_ids, lengths, layer_ids, predictions: bool):
+    """(features, the target's greedy tokens with `predictions` else None) of a padded batch."""
+    if predictions:
+        return target_features_and_predictions(target, input_ids, lengths, layer_ids)
+    return target_features(target, input_ids, lengths, layer_ids), None
+
+
 def packed_target_features(target, batch, layer_ids, predictions: bool = False, pad_multiple: int = 1):
     """Online features of a packed row (`collate_packed`: samples end to end in [1, T]): the target runs on the
     samples as a padded batch [samples, S] (each from position 0, alone, as in the padded layout) and its outputs
@@ -47,10 +54,7 @@ def packed_target_features(target, batch, layer_ids, predictions: bool = False, 
     real = cols[None, :] < sizes[:, None]
     where = (offsets[:, None] + cols[None, :]).masked_fill(~real, 0)  # packed position of each padded slot
     ids = batch.input_ids[0][where].masked_fill(~real, 0)
-    if predictions:
-        feats, pred = target_features_and_predictions(target, ids, sizes, layer_ids)
-    else:
-        feats, pred = target_features(target, ids, sizes, layer_ids), None
+    feats, pred = target_outputs(target, ids, sizes, layer_ids, predictions)
     dest = where[real]
     packed = feats.new_zeros(1, batch.input_ids.shape[1], feats.shape[-1])
     packed[0, dest] = feats[real]

@@ -36,7 +36,7 @@ from dflash_pipeline.drafter.batch import collate, collate_packed
 from dflash_pipeline.drafter.checkpoints import CheckpointStore
 from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.distributed import Dist
-from dflash_pipeline.drafter.features import packed_target_features, target_features, target_features_and_predictions
+from dflash_pipeline.drafter.features import packed_target_features, target_features, target_outputs
 from dflash_pipeline.drafter.flops import batch_counts, peak_basis, step_flops
 from dflash_pipeline.drafter.heldout import AcceptanceMonitor
 from dflash_pipeline.drafter.loss import WEIGHTINGS, block_loss
@@ -324,12 +324,11 @@ def _features_and_labels(run: TrainingRun, batch):
     """Stored features (offline), or the target's (online), and the labels (None: the data's own tokens)."""
     if batch.features is not None:
         return batch.features, None
+    predictions = run.settings.labels == "target"
     if batch.sample_spans is not None:  # a packed row: the target sees each sample alone, padded
-        return packed_target_features(run.target, batch, run.dcfg.target_layer_ids, run.settings.labels == "target",
+        return packed_target_features(run.target, batch, run.dcfg.target_layer_ids, predictions,
                                       pad_multiple=256 if run.gpu else 1)
-    if run.settings.labels == "target":
-        return target_features_and_predictions(run.target, batch.input_ids, batch.lengths, run.dcfg.target_layer_ids)
-    return target_features(run.target, batch.input_ids, batch.lengths, run.dcfg.target_layer_ids), None
+    return target_outputs(run.target, batch.input_ids, batch.lengths, run.dcfg.target_layer_ids, predictions)
 
 
 def acceptance_monitor(run: TrainingRun) -> AcceptanceMonitor | None:

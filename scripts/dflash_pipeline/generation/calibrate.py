@@ -277,8 +277,7 @@ def settings_of(args) -> dict:
     return {"backend": args.backend, "api": args.api, "max_in_flight": args.max_in_flight,
             "sglang": json.loads(args.sglang_json) if args.backend == "sglang" else None,
             "servers": list(args.servers), "gpus_per_job": args.gpus_per_job,
-            "sampling": json.loads(params.to_json(turns=policy.turns, on_length=policy.on_length,
-                                                  **({"max_turns": policy.max_turns} if policy.max_turns else {})))}
+            "sampling": json.loads(params.to_json(**policy.recorded()))}
 
 
 def run(args) -> int:

@@ -128,6 +128,12 @@ class Policy:
     backoff_max_s: float = 30.0
     empty_retries: int = settings.field("generate.empty_retries")
 
+    def recorded(self) -> dict:
+        """What the sampling record and the journal's fingerprint carry of the policy: max_turns only when set, so
+        the records and journals of runs without it stay as they were."""
+        capped = {"max_turns": self.max_turns} if self.max_turns else {}
+        return {"turns": self.turns, "on_length": self.on_length, **capped}
+
     def backoff(self, attempt: int) -> float:
         """Exponential backoff with full jitter in [0.5, 1.5) x the step."""
         step = min(self.backoff_max_s, self.backoff_base_s * (2 ** (attempt - 1)))
@@ -386,6 +392,7 @@ async def generate_sample(engine, sample: dict, params: SamplingParams, policy: 
     counters.prompt_tokens += conv.prompt_tokens
     counters.completion_tokens += conv.completion_tokens
     ok = reason is None
+    output_ids = conv.turn_ids if ok and all(t is not None for t in conv.turn_ids) else None
     return {
         "sample_id": sample["sample_id"],
         "source": sample["source"],
@@ -403,10 +410,10 @@ async def generate_sample(engine, sample: dict, params: SamplingParams, policy: 
         "completion_tokens": conv.completion_tokens,
         "generated_turns": conv.generated,
         "attempts": tally[0],
-        "output_ids": conv.turn_ids if ok and all(t is not None for t in conv.turn_ids) else None,
+        "output_ids": output_ids,
         "prompt_ids": conv.prompt_ids if ok else None,
-        "turn_prompt_ids": (conv.turn_prompt_ids if ok and all(p is not None for p in conv.turn_prompt_ids)
-                            and all(t is not None for t in conv.turn_ids) else None),
+        "turn_prompt_ids": (conv.turn_prompt_ids if output_ids is not None
+                            and all(p is not None for p in conv.turn_prompt_ids) else None),
         "cut_reason": conv.cut_reason if ok else None,
         "permanent": permanent,
     }

@@ -206,11 +206,8 @@ def unidentified_weights(args, engine, ident: dict) -> str | None:
 def shard_settings(args, engine, params: SamplingParams, policy: Policy) -> tuple[str, dict, dict]:
     """(sampling JSON, journal settings, summary meta) of this run."""
     model = args.model_name or engine.model_name
-    # max_turns only when set: the journals (their fingerprint) and records of runs without it stay as they were
-    capped = {"max_turns": policy.max_turns} if policy.max_turns else {}
-    sampling_json = params.to_json(turns=policy.turns, on_length=policy.on_length,
-                                   length_retry_max_new_tokens=policy.length_retry_max_new_tokens, api=args.api,
-                                   **capped)
+    sampling_json = params.to_json(**policy.recorded(), length_retry_max_new_tokens=policy.length_retry_max_new_tokens,
+                                   api=args.api)
     settings = {"model": model, "weights": weights_identity(args, engine), "record_format": RECORD_FORMAT,
                 "sampling": json.loads(sampling_json)}
     meta = {"model": model, "sampling_params": json.loads(sampling_json), "backend": args.backend}

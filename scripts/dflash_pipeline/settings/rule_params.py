@@ -64,14 +64,20 @@ class RuleParams:
         settings.update(extra)
         return json.dumps(settings, sort_keys=True, default=str)
 
+    def _set_for_all_turns(self, path: str) -> bool:
+        """A multi-turn setting that can change outputs: `generate.turns: all` (with `first` a conversation has one
+        generated turn) and a value other than the schema's default."""
+        section, key = path.split(".")
+        return (self.config["generate"].get("turns") == "all"
+                and self.config[section].get(key) != settings.default(path))
+
     def tokenize(self, dataset: str) -> str:
         """tokenize's --settings for a dataset (`source`: the ingested shards; else the regenerated completions).
         `turn_samples` only where it can change the samples: the completions of `generate.turns: all` (the source
         has no generated turns, `turns: first` one per conversation), and only when it is not the schema's default
         (the params of configs that never set it stay as they were)."""
-        default = settings.default("tokenize.turn_samples")
-        matters = dataset != "source" and self.config["generate"].get("turns") == "all"
-        drop = () if matters and self.config["tokenize"].get("turn_samples") != default else ("turn_samples",)
+        every = dataset != "source" and self._set_for_all_turns("tokenize.turn_samples")
+        drop = () if every else ("turn_samples",)
         return self.stage("tokenize", drop=drop, trivial_tokens=self.config["audit"]["trivial_response_tokens"],
                           **self.trust)
 
@@ -103,10 +109,8 @@ class RuleParams:
     def generate(self) -> str:
         """generate's and calibrate's --settings (calibrate measures what generate will do): not the resources,
         the calibration, the gate's limits, nor the operational knobs."""
-        gen = self.config["generate"]
-        # max_turns only when it can cut (turns: all) and is set: the params of configs without it stay as they were
-        cut = gen.get("turns") == "all" and gen.get("max_turns") != settings.default("generate.max_turns")
-        keys = [k for k in GENERATE_KEYS if k != "max_turns" or cut]
+        # max_turns only when it can cut: the params of configs without it stay as they were
+        keys = [k for k in GENERATE_KEYS if k != "max_turns" or self._set_for_all_turns("generate.max_turns")]
         return self.stage("generate", keys=keys, **self.generation_backend(), **self.trust)
 
     def generate_runtime(self) -> dict:
