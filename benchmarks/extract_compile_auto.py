@@ -71,7 +71,7 @@ def run_case(shape, device, shard, tokens, compile_, tmp, layer_ids) -> dict:
         torch.cuda.synchronize()
     t = time.perf_counter()
     out = os.path.join(tmp, f"c{int(compile_)}.dfhs")
-    settings = ExtractSettings(layer_ids=layer_ids, device=device, compile=compile_, token_budget=65536,
+    settings = ExtractSettings(target_layer_ids=layer_ids, device=device, compile=compile_, token_budget=65536,
                                encode_threads=8, codec="zstd", level=1)
     stats = extract_shard(shard, "random", out, settings, model=model)
     wall = time.perf_counter() - t

@@ -97,7 +97,7 @@ class Bench:
 
     def extract(self, src, out, **kw):
         # compile=False: the compiled cases compile the layers once (compile_layers)
-        settings = ExtractSettings(layer_ids=self.layers, device=self.dev, token_budget=self.budget, compile=False,
+        settings = ExtractSettings(target_layer_ids=self.layers, device=self.dev, token_budget=self.budget, compile=False,
                                    encode_threads=self.args.encode_threads, **kw)
         return extract_shard(src, "random", out, settings, model=self.model)
 

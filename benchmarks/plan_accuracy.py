@@ -97,7 +97,7 @@ def main() -> int:
     shards = token_shards(work, tokens, a.shards, 2000, 256 if a.tiny else 2048)
     layers = 3 if a.tiny else 5  # drafter layers (and target layers captured)
     ex = {"device": device, "token_budget": 2048 if a.tiny else 65536, "encode_threads": 8,
-          "drafter_config": {"num_layers": layers}}
+          "num_layers": layers}
     tr = {"device": device, "batch_size": 2 if a.tiny else 16, "max_length": 256 if a.tiny else 2048,
           "num_anchors": 16 if a.tiny else 512, "epochs": 1, "num_layers": layers, "acceptance_every": 0, "mode": "offline"}
     rates = work / "rates.json"

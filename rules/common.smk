@@ -10,9 +10,9 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.target_import.gguf import IMPORTED_FILES
 from dflash_pipeline.settings.config_paths import ConfigPaths
 from dflash_pipeline.settings.job_groups import JobGroups, link_out
-from dflash_pipeline.settings.rule_params import RuleParams
+from dflash_pipeline.settings.rule_params import RuleParams, planned_values
 from dflash_pipeline.settings.target_source import TargetSource
-from dflash_pipeline.workflow_files import JsonFileCache, index_shards, planned_values, storage_copy
+from dflash_pipeline.workflow_files import JsonFileCache, index_shards, storage_copy
 
 R = config["results"]
 DATASETS = ["source", "regenerated"]

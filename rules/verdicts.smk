@@ -31,7 +31,7 @@ _PLANNED = JsonFileCache(planned_values, download=True)
 
 def planned():
     """What the plan resolved for every later stage (the target's layer ids, the mask token:
-    workflow_files.planned_values), for a param: a changed value reruns the job, a rewritten plan with the same
+    rule_params.planned_values), for a param: a changed value reruns the job, a rewritten plan with the same
     values does not. Every rule that reads it waits for the plan through settled(), and is re-evaluated once the
     plan has run, so the empty answer of a pending plan never reaches a job."""
     try:

@@ -93,7 +93,7 @@ def test_token_budget_batches_sorted_and_bounded():
 def test_extract_matches_reference_forward(tiny_target, tmp_path):
     rows = _token_shard(tmp_path / "t.parquet")
     out = tmp_path / "h.dfhs"
-    settings = ExtractSettings(layer_ids=[1, 3, 5], dtype="float32", token_budget=200, device="cpu", flush_tokens=50)
+    settings = ExtractSettings(target_layer_ids=[1, 3, 5], dtype="float32", token_budget=200, device="cpu", flush_tokens=50)
     stats = extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(out), settings,
                           stats_path=str(tmp_path / "h.stats.json"))
     r = HiddenStateShardReader(out)
@@ -118,11 +118,11 @@ def test_extract_default_layers_from_drafter_config(tiny_target, tmp_path):
     _token_shard(tmp_path / "t.parquet", n=5)
     out = tmp_path / "h.dfhs"
     extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(out),
-                  ExtractSettings(drafter_config={"num_layers": 3}, device="cpu", codec="fp8"))
+                  ExtractSettings(num_layers=3, device="cpu", codec="fp8"))
     assert HiddenStateShardReader(out).metadata["target_layer_ids"] == [1, 3, 5]
     with pytest.raises(PipelineError, match="out of range"):
         extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(tmp_path / "bad.dfhs"),
-                      ExtractSettings(drafter_config={"target_layer_ids": [1, 9]}, device="cpu"))
+                      ExtractSettings(target_layer_ids=[1, 9], device="cpu"))
 
 
 def test_resume_after_kill(tiny_target, tmp_path, caplog, monkeypatch):
@@ -156,7 +156,7 @@ def test_resume_after_kill(tiny_target, tmp_path, caplog, monkeypatch):
     r.verify_all()
     fresh = tmp_path / "fresh.dfhs"  # an uninterrupted run, in process (one CLI start less)
     extract_shard(str(tmp_path / "t.parquet"), str(tiny_target), str(fresh),
-                  ExtractSettings(layer_ids=[1, 5], token_budget=100, flush_tokens=60, device="cpu", encode_threads=1))
+                  ExtractSettings(target_layer_ids=[1, 5], token_budget=100, flush_tokens=60, device="cpu", encode_threads=1))
     f = HiddenStateShardReader(fresh)
     for sid in f.sample_ids:
         a, b = r.read(r.index_of(sid)), f.read(f.index_of(sid))
@@ -188,7 +188,7 @@ def test_resume_never_keeps_samples_of_other_tokens_or_another_target(tiny_targe
     """A token shard rewritten with the same ids (or a rebuilt target) after a kill: nothing old survives."""
     import shutil
 
-    settings = ExtractSettings(layer_ids=[1, 5], token_budget=60, flush_tokens=40, device="cpu", encode_threads=1)
+    settings = ExtractSettings(target_layer_ids=[1, 5], token_budget=60, flush_tokens=40, device="cpu", encode_threads=1)
     model = load_model(tiny_target, "cpu")  # loaded once; the fingerprint is taken from the directory given
     tokens, out = tmp_path / "t.parquet", tmp_path / "h.dfhs"
     _token_shard(tokens, n=12, seed=0)
@@ -269,8 +269,9 @@ def test_bad_inputs_are_one_line_errors_before_the_target_loads(tmp_path, capsys
     with pytest.raises(SystemExit) as exit_:  # argparse: a usage error
         main([*base, "--tokens", str(tmp_path / "t.parquet"), "--target-layer-ids", "1,x"])
     assert exit_.value.code == 2 and "--target-layer-ids: invalid int value: '1,x'" in capsys.readouterr().err
-    assert main([*base, "--tokens", str(tmp_path / "t.parquet"), "--drafter-config", "{"]) == 2
-    assert "--drafter-config: not JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main([*base, "--tokens", str(tmp_path / "t.parquet"), "--num-layers", "three"])
+    assert exit_.value.code == 2 and "--num-layers: invalid int value: 'three'" in capsys.readouterr().err
     assert main([*base, "--tokens", str(tmp_path / "t.parquet")]) == 2  # the target itself: load_model's error
     assert "no-model" in capsys.readouterr().err
 
@@ -301,7 +302,7 @@ def test_group_job_keeps_finished_shards_and_redoes_the_rest(tiny_target, tmp_pa
     pq.write_table(pa.table({k: v for k, v in rows.items()}, schema=pq.read_schema(b)), b)
     outs = [str(tmp_path / "g" / "a.dfhs"), str(tmp_path / "g" / "b.dfhs")]
     stats = [o.replace(".dfhs", ".stats.json") for o in outs]
-    settings = ExtractSettings(layer_ids=[1, 3], device="cpu", token_budget=128)
+    settings = ExtractSettings(target_layer_ids=[1, 3], device="cpu", token_budget=128)
     with pytest.raises(PipelineError, match="outside the target's embedding"):
         extract_shards([str(a), str(b)], str(tiny_target), outs, settings, stats_paths=stats)
     assert os.path.exists(outs[0]) and not os.path.exists(outs[1])

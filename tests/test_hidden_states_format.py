@@ -248,12 +248,13 @@ def test_default_target_layer_ids_match_design():
 
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
-    assert resolve_target_layer_ids({"target_layer_ids": [0, 2]}, 8) == [0, 2]
-    assert resolve_target_layer_ids({"num_layers": 3}, 36) == [1, 17, 33]
+    assert resolve_target_layer_ids([0, 2], 3, 8) == [0, 2]  # explicit ids win over num_layers
+    assert resolve_target_layer_ids(None, 3, 36) == [1, 17, 33]
+    assert resolve_target_layer_ids(None, None, 36) == default_target_layer_ids(36, 5)  # the schema's num_layers
     with pytest.raises(PipelineError, match="out of range"):
-        resolve_target_layer_ids({"target_layer_ids": [1, 8]}, 8)
+        resolve_target_layer_ids([1, 8], None, 8)
     with pytest.raises(PipelineError, match="increasing"):
-        resolve_target_layer_ids({"target_layer_ids": [3, 1]}, 8)
+        resolve_target_layer_ids([3, 1], None, 8)
 
 
 def test_many_readers_keep_few_files_open(tmp_path):

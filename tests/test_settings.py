@@ -218,3 +218,40 @@ def test_the_literal_default_scan_finds_a_second_default():
     src = 'def f(cfg, s):\n    a = cfg.get("max_new_tokens", 2048)\n    b = s.get("block_size") or 16\n    return cfg.get("x", 1)\n'
     assert list(_literal_default_reads(ast.parse(src), {"max_new_tokens", "block_size"})) == [
         (2, "max_new_tokens"), (3, "block_size")]
+
+
+def _setting_fields():
+    """(class, field, dotted key) of every dataclass field in the package that takes a schema default."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import dflash_pipeline
+
+    found = []
+    for mod in pkgutil.walk_packages(dflash_pipeline.__path__, "dflash_pipeline."):
+        if mod.name.endswith(".live_kernels"):
+            continue  # the Triton kernels: importable only where triton is, and no settings in them
+        module = importlib.import_module(mod.name)
+        for _, cls in inspect.getmembers(module, dataclasses.is_dataclass):
+            if cls.__module__ == mod.name:
+                found += [(cls, f, f.metadata["setting"]) for f in dataclasses.fields(cls) if "setting" in f.metadata]
+    return found
+
+
+def _members(kind) -> set:
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        return set().union(*(_members(k) for k in typing.get_args(kind)))
+    return {typing.get_origin(kind) or kind}
+
+
+def test_hand_written_stage_settings_agree_with_the_schema():
+    """The stages whose options object is written out (extract, generation) rather than generated (typed.py):
+    each field that takes its default from the schema accepts every type the schema allows, and its default."""
+    found = _setting_fields()
+    assert {c.__name__ for c, _, _ in found} >= {"ExtractSettings", "SamplingParams", "Policy"}, found
+    for cls, f, key in found:
+        hint = typing.get_type_hints(cls)[f.name]
+        allowed = _members(hint) | ({int} if float in _members(hint) else set())  # PEP 484: float takes an int
+        assert _members(typed.python_type(settings.prop(key))) <= allowed, (cls.__name__, f.name, key, hint)
+        assert _is_instance(settings.default(key), tuple(allowed - {typing.Any}) or object), (cls.__name__, f.name)

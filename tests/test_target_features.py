@@ -50,7 +50,7 @@ def _online(target, ids, layer_ids):
 
 def _extracted(target, tokens, out, layer_ids, dtype):
     """The extract stage's stored features, through the offline training source."""
-    extract_shard(str(tokens), "unused", str(out), ExtractSettings(layer_ids=layer_ids, codec="raw", dtype=dtype,
+    extract_shard(str(tokens), "unused", str(out), ExtractSettings(target_layer_ids=layer_ids, codec="raw", dtype=dtype,
                   device="cpu", token_budget=64), model=target)  # several batches of mixed lengths
     src = HiddenSource([str(out)], layer_ids)
     by_id = {}

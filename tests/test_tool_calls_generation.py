@@ -438,7 +438,7 @@ def test_regenerated_tool_samples_extract_and_train(regenerated, tiny_target, ca
     root, _ = regenerated
     hidden = {leg: root / leg / "h.dfhs" for leg in LEGS}
     assert cli_main(["extract", "--tokens", *(str(root / leg / "t.parquet") for leg in LEGS), "--model",
-                     str(tiny_target), "--out", *map(str, hidden.values()), "--drafter-config", '{"num_layers": 1}',
+                     str(tiny_target), "--out", *map(str, hidden.values()), "--num-layers", "1",
                      "--codec", "raw", "--dtype", "float32", "--device", "cpu", "--encode-threads", "1"]) == 0
     tok = AutoTokenizer.from_pretrained(tiny_target)
     for leg in LEGS:

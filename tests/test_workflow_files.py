@@ -7,7 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from dflash_pipeline.workflow_files import JsonFileCache, index_shards, planned_values, storage_copy
+from dflash_pipeline.settings.rule_params import planned_values
+from dflash_pipeline.workflow_files import JsonFileCache, index_shards, storage_copy
 
 
 class FakeStorageObject:

@@ -82,7 +82,7 @@ STAGES = {
                        GENERATE_ALIASES),
     "extract": Stage("dflash_pipeline.hidden_states.extract", "add_arguments", "run",
                      "extract target hidden states into a shard file", ("extract",),
-                     {**TARGET, "target_layer_ids": "drafter.target_layer_ids"}),
+                     {**TARGET, "target_layer_ids": "drafter.target_layer_ids", "num_layers": "drafter.num_layers"}),
     "plan": Stage("dflash_pipeline.planning.plan", "add_arguments", "run",
                   "print samples, tokens, bytes and GPU hours before the GPU starts"),
     "calibrate-rates": Stage("dflash_pipeline.planning.calibrate_rates", "add_arguments", "run",

@@ -102,12 +102,11 @@ def validate_target_layer_ids(ids, num_target_layers: int) -> list[int]:
     return ids
 
 
-def resolve_target_layer_ids(drafter_config: dict | None, num_target_layers: int) -> list[int]:
-    """From the config's `drafter:` section: explicit `target_layer_ids`, else the default for
-    `num_layers` (else the schema's drafter.num_layers), validated against the target."""
-    cfg = drafter_config or {}
-    ids = cfg.get("target_layer_ids")
+def resolve_target_layer_ids(ids, num_layers: int | None, num_target_layers: int) -> list[int]:
+    """The drafter settings `target_layer_ids` when given, else the default spread for `num_layers` drafter layers
+    (else the schema's drafter.num_layers), validated against the target. The plan resolves them once for the
+    workflow; a stage run by hand without them resolves them the same way."""
     if ids:
         return validate_target_layer_ids(ids, num_target_layers)
-    n = cfg.get("num_layers") or settings.default("drafter.num_layers")
+    n = num_layers or settings.default("drafter.num_layers")
     return validate_target_layer_ids(default_target_layer_ids(num_target_layers, n), num_target_layers)

@@ -84,14 +84,3 @@ def index_shards(data: dict) -> dict:
     """The shard manifest, its shards indexed by id."""
     data["_by_shard"] = {s["shard"]: s for s in data["shards"]}
     return data
-
-
-def planned_values(plan: dict) -> dict:
-    """What the plan resolved once for every later stage: the target's layer ids the drafter reads, and the mask
-    token (absent when the plan could not decide it: training then says why)."""
-    values = {"target_layer_ids": [int(i) for i in plan["target_layer_ids"]]}
-    mask = (plan.get("mask_token") or {}).get("id")
-    if mask is not None:
-        values["mask_token_id"] = int(mask)
-    return values
-

@@ -201,8 +201,8 @@ def _drafter_config(s, job: TrainJob, dev: torch.device):
     """The drafter's config (target shapes, layer ids, mask token) and the target's frozen embedding/head."""
     tcfg = read_config(job.model)
     n_target = int(text_config(tcfg)["num_hidden_layers"])
-    # the same resolver as extract's and the plan's: explicit ids, else spread for num_layers
-    layer_ids = resolve_target_layer_ids({"target_layer_ids": s.target_layer_ids, "num_layers": s.num_layers}, n_target)
+    # the workflow passes the plan's ids; by hand without them, the plan's resolver
+    layer_ids = resolve_target_layer_ids(s.target_layer_ids, s.num_layers, n_target)
     head = load_target_head(job.model, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).to(dev)
     mask_id = resolve_mask_token_id(job.model, s.mask_token_id, head.vocab_rows, s.trust_remote_code)
     head.check_mask_token(mask_id)

@@ -32,7 +32,7 @@ from dflash_pipeline.hidden_states.host_pipeline import HostPipeline
 from dflash_pipeline.hidden_states.layout import CODECS, STORED_DTYPES
 from dflash_pipeline.hidden_states.writer import HiddenStateShardWriter
 from dflash_pipeline.progress import Progress
-from dflash_pipeline.target_layers import resolve_target_layer_ids, validate_target_layer_ids
+from dflash_pipeline.target_layers import resolve_target_layer_ids
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 class ExtractSettings:
     """How to extract. The keys of the config's `extract` section default to the schema's (settings.field)."""
 
-    layer_ids: list | None = None       # explicit target layer ids, else from drafter_config
-    drafter_config: dict | None = None  # the config's drafter section (target_layer_ids or num_layers)
+    target_layer_ids: list | None = None  # the plan's (the workflow's); None: resolved as the plan does
+    num_layers: int = settings.field("drafter.num_layers")  # the drafter's depth
     codec: str = settings.field("extract.codec")
     level: int = settings.field("extract.level")
     dtype: str = settings.field("extract.dtype")                  # stored dtype
@@ -119,10 +119,8 @@ def check_token_range(path: str, tokens: TokenShard, rows: int) -> None:
 
 
 def _layer_ids(model, settings: ExtractSettings) -> list[int]:
-    num_layers = int(target.text_config(model.config).num_hidden_layers)
-    if settings.layer_ids:
-        return validate_target_layer_ids(settings.layer_ids, num_layers)
-    return resolve_target_layer_ids(settings.drafter_config or {}, num_layers)
+    num_target_layers = int(target.text_config(model.config).num_hidden_layers)
+    return resolve_target_layer_ids(settings.target_layer_ids, settings.num_layers, num_target_layers)
 
 
 def _prepare_capture(model, settings: ExtractSettings, device: str, tokens: int) -> tuple[LayerCapture, int]:
@@ -347,9 +345,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", nargs="*", default=None,
                    help="JSON with tokens, bytes, throughput of each shard, one per --tokens")
     p.add_argument("--target-layer-ids", type=int, nargs="+",
-                   help="the target's layer ids (the workflow passes the plan's); default: from --drafter-config")
-    p.add_argument("--drafter-config", default="{}",
-                   help="JSON of the config's drafter section (target_layer_ids or num_layers)")
+                   help="the target's layer ids (the workflow passes the plan's); default: spread for --num-layers")
+    p.add_argument("--num-layers", type=int, help="the drafter's layers (their target layers when no ids are given)")
     p.add_argument("--codec", choices=CODECS)
     p.add_argument("--level", type=int, help="zstd level (0: store uncompressed)")
     p.add_argument("--dtype", choices=STORED_DTYPES, help="stored dtype")
@@ -369,12 +366,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args) -> ExtractSettings:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ExtractSettings) if hasattr(args, f.name)}
-    drafter = args.drafter_config
-    try:
-        values["drafter_config"] = json.loads(drafter or "{}") if isinstance(drafter, str) else drafter
-    except ValueError as exc:
-        raise PipelineError(f"extract --drafter-config: not JSON ({exc})") from exc
-    values["layer_ids"] = [int(x) for x in args.target_layer_ids] if args.target_layer_ids else None
+    values["target_layer_ids"] = [int(x) for x in args.target_layer_ids] if args.target_layer_ids else None
     values["compile"] = {"true": True, "false": False}.get(args.compile, "auto")
     return ExtractSettings(**values)
 

@@ -310,7 +310,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     cfg = json.loads(args.config)
     shape = target_shape(args.model)
-    layer_ids = resolve_target_layer_ids(cfg.get("drafter"), shape["num_layers"])
+    drafter = cfg.get("drafter") or {}
+    layer_ids = resolve_target_layer_ids(drafter.get("target_layer_ids"), drafter.get("num_layers"), shape["num_layers"])
     tok = token_stats(args.tokens)
     extract_cfg = cfg.get("extract") or {}
     gen_cfg = cfg.get("generate") or {}

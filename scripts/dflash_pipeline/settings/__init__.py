@@ -54,8 +54,9 @@ def value(section: dict | None, path: str):
 
 
 def field(path: str):
-    """A dataclass field whose default is the schema's (a stage's own options object, built without the CLI)."""
-    return dataclasses.field(default_factory=lambda: copy.deepcopy(default(path)))
+    """A dataclass field whose default is the schema's (a stage's own options object, built without the CLI); its
+    metadata names the setting, so a test checks the field's type against the schema's."""
+    return dataclasses.field(default_factory=lambda: copy.deepcopy(default(path)), metadata={"setting": path})
 
 
 def problem(value, property_schema: dict) -> str | None:

@@ -44,6 +44,16 @@ TRAIN_RATE_KEYS = ("mode", "num_anchors", "max_length", "batch_size", "grad_accu
                    "head_chunk", "layout", "num_layers", "block_size", "target_layer_ids")
 
 
+def planned_values(plan: dict) -> dict:
+    """What the plan resolved once for every later stage: the target's layer ids the drafter reads, and the mask
+    token (absent when the plan could not decide it: training then says why)."""
+    values = {"target_layer_ids": [int(i) for i in plan["target_layer_ids"]]}
+    mask = (plan.get("mask_token") or {}).get("id")
+    if mask is not None:
+        values["mask_token_id"] = int(mask)
+    return values
+
+
 class RuleParams:
     """The settings of every rule, from one validated config. `storage_prefix`: Snakemake's default storage
     prefix (s3://... when outputs live on S3: journals and checkpoints are mirrored beside them)."""
@@ -144,20 +154,15 @@ class RuleParams:
         limits = {"--max-wall-hours": gen.get("max_wall_hours"), "--max-gpu-hours": gen.get("max_gpu_hours")}
         return " ".join(f"{flag} {value}" for flag, value in limits.items() if value is not None)
 
-    def drafter_layers(self) -> str:
-        """Only what decides the target layers: the drafter's num_layers / target_layer_ids."""
-        d = self.config.get("drafter") or {}
-        return json.dumps({k: d[k] for k in ("num_layers", "target_layer_ids") if d.get(k) is not None},
-                          sort_keys=True)
-
     def extract(self, planned: dict | None = None) -> str:
         """The extract rule's --settings (calibrate-rates measures with the same). encode_threads is the rule's
         threads (how many threads write it changes no byte); shards_per_job is the group (its members are the
-        inputs). `planned`: the plan's resolved values (workflow_files.planned_values): the layer ids the plan
+        inputs). `planned`: the plan's resolved values (planned_values): the layer ids the plan
         resolved replace the drafter section the stage would resolve them from; calibrate-rates, which runs
         before the plan, resolves them the same way (target_layers.py)."""
+        d = self.config["drafter"]
         layers = ({"target_layer_ids": planned["target_layer_ids"]} if planned
-                  else {"drafter_config": self.drafter_layers()})
+                  else {k: d[k] for k in ("num_layers", "target_layer_ids") if d.get(k) is not None})
         return self.stage("extract", drop=("assumed_tokens_per_s", "warn_bytes", "warn_shard_bytes", "encode_threads",
                                            "shards_per_job"), **layers, **self.trust)
 
