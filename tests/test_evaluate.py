@@ -8,13 +8,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from dflash_pipeline import storage
 from dflash_pipeline.cli import main as cli_main
 from dflash_pipeline.drafter.config import DrafterConfig
-from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.model import DFlashDrafter, save_drafter
 from dflash_pipeline.drafter.target_head import load_target_head
 from dflash_pipeline.target import read_config as read_target_config
 from dflash_pipeline.drafter.batched_rules import BatchedSampling
@@ -99,8 +97,7 @@ def test_untrained_drafter_is_lossless_and_fails_the_gate(tiny_target, setup, tm
     torch.manual_seed(1)
     train_dir = tmp_path / "train"
     train_dir.mkdir()
-    save_file(DFlashDrafter(cfg).engine_state_dict(), str(train_dir / "drafter.safetensors"))
-    storage.write_json(train_dir / "drafter_config.json", cfg.to_dict())
+    save_drafter(train_dir, DFlashDrafter(cfg))
     export = tmp_path / "export"
     assert cli_main(["export", "--drafter", str(train_dir), "--model", str(tiny_target), "--out", str(export),
                      "--dtype", "float32"]) == 0

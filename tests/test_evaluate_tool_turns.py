@@ -10,15 +10,13 @@ from html.parser import HTMLParser
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from data_fixtures import tokenized_audits
-from dflash_pipeline import storage
 from dflash_pipeline.cli import main as cli_main
 from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.evaluate import TurnKinds, _by_turn, held_out_prompts
 from dflash_pipeline.drafter.batched_decoding import RowOutput
-from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.model import DFlashDrafter, save_drafter
 from dflash_pipeline.drafter.target_head import load_target_head
 from dflash_pipeline.generation.engines import HFEngine
 from dflash_pipeline.target import read_config as read_target_config
@@ -73,8 +71,7 @@ def _export_untrained(target, tmp) -> str:
     torch.manual_seed(1)
     train_dir = tmp / "train"
     train_dir.mkdir()
-    save_file(DFlashDrafter(cfg).engine_state_dict(), str(train_dir / "drafter.safetensors"))
-    storage.write_json(train_dir / "drafter_config.json", cfg.to_dict())
+    save_drafter(train_dir, DFlashDrafter(cfg))
     assert cli_main(["export", "--drafter", str(train_dir), "--model", str(target), "--out", str(tmp / "export"),
                      "--dtype", "float32"]) == 0
     return str(tmp / "export")

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from dflash_pipeline import storage
 from dflash_pipeline.cli import main as cli_main
 from dflash_pipeline.drafter.config import DrafterConfig
-from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.model import DFlashDrafter, save_drafter
 from dflash_pipeline.drafter.target_head import load_target_head
 from dflash_pipeline.target import read_config as read_target_config
 from dflash_pipeline.drafter.export import load_exported
@@ -31,8 +31,7 @@ def trained_dir(tiny_target, tmp_path_factory):
             p.add_(torch.randn_like(p) * 0.05)
     out = tmp_path_factory.mktemp("train") / "drafter"
     out.mkdir()
-    save_file(model.engine_state_dict(), str(out / "drafter.safetensors"))
-    storage.write_json(out / "drafter_config.json", cfg.to_dict())
+    save_drafter(out, model)
     return out, model
 
 
@@ -182,8 +181,7 @@ def qwen35_export(tmp_path_factory):
     model = DFlashDrafter(cfg)
     drafter = root / "drafter"
     drafter.mkdir()
-    save_file(model.engine_state_dict(), str(drafter / "drafter.safetensors"))
-    storage.write_json(drafter / "drafter_config.json", cfg.to_dict())
+    save_drafter(drafter, model)
     out = root / "export"
     assert cli_main(["export", "--drafter", str(drafter), "--model", str(target), "--out", str(out),
                      "--dtype", "float32"]) == 0
@@ -242,8 +240,7 @@ def test_export_refuses_a_drafter_trained_for_another_target(tiny_target, tmp_pa
     cfg = DrafterConfig.from_target(other, 1, [2], 8, 100, other["vocab_size"])
     src = tmp_path / "other"
     src.mkdir()
-    save_file(DFlashDrafter(cfg).engine_state_dict(), str(src / "drafter.safetensors"))
-    storage.write_json(src / "drafter_config.json", cfg.to_dict())
+    save_drafter(src, DFlashDrafter(cfg))
     out = tmp_path / "o"
     assert cli_main(["export", "--drafter", str(src), "--model", str(tiny_target), "--out", str(out)]) == 2
     err = capsys.readouterr().err

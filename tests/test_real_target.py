@@ -204,13 +204,11 @@ ENGINE_READS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "he
 
 def test_export_for_the_llama_target_is_what_both_engines_load(smollm2_target, tmp_path, capsys):
     from safetensors import safe_open
-    from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from dflash_pipeline import storage
     from dflash_pipeline.cli import main as cli_main
     from dflash_pipeline.drafter.config import DrafterConfig
-    from dflash_pipeline.drafter.model import DFlashDrafter
+    from dflash_pipeline.drafter.model import DFlashDrafter, save_drafter
     from dflash_pipeline.target_layers import default_target_layer_ids
 
     target_cfg = read_config(smollm2_target)
@@ -218,8 +216,7 @@ def test_export_for_the_llama_target_is_what_both_engines_load(smollm2_target, t
     dcfg = DrafterConfig.from_target(target_cfg, 3, ids, 16, 16, target_vocab_rows(smollm2_target))
     train = tmp_path / "train"
     train.mkdir()
-    save_file(DFlashDrafter(dcfg).engine_state_dict(), str(train / "drafter.safetensors"))
-    storage.write_json(train / "drafter_config.json", dcfg.to_dict())
+    save_drafter(train, DFlashDrafter(dcfg))
     out = tmp_path / "export"
     assert cli_main(["export", "--drafter", str(train), "--model", str(smollm2_target), "--out", str(out)]) == 0
     printed = capsys.readouterr().out

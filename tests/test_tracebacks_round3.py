@@ -11,14 +11,12 @@ import subprocess
 import time
 
 import pytest
-from safetensors.torch import save_file
 
 from conftest import BIN, run_cli
 from test_train import _train_args, token_shards  # noqa: F401 - the module fixture
 
-from dflash_pipeline import storage
 from dflash_pipeline.drafter.config import DrafterConfig
-from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.model import DFlashDrafter, save_drafter
 from dflash_pipeline.target import read_config
 
 
@@ -63,8 +61,7 @@ def _drafter_dir(tiny_target, root):
     cfg = DrafterConfig.from_target(tc, 2, [1, 4, 6], 16, 1343, tc["vocab_size"])
     out = root / "drafter"
     out.mkdir()
-    save_file(DFlashDrafter(cfg).engine_state_dict(), str(out / "drafter.safetensors"))
-    storage.write_json(out / "drafter_config.json", cfg.to_dict())
+    save_drafter(out, DFlashDrafter(cfg))
     return out
 
 

@@ -26,6 +26,8 @@ from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.split_attention import SplitMask, compiled_flex_attention, split_attend
 from dflash_pipeline.errors import PipelineError
 
+DRAFTER_FILES = ("drafter.safetensors", "drafter_config.json")  # what train writes and export reads
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -220,3 +222,16 @@ class DFlashDrafter(nn.Module):
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def save_drafter(directory, drafter: DFlashDrafter) -> None:
+    """A drafter's two files (DRAFTER_FILES) in `directory`: the weights under the engines' names, and its config."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from dflash_pipeline import storage
+
+    weights, config = (os.path.join(str(directory), name) for name in DRAFTER_FILES)
+    save_file(drafter.engine_state_dict(), weights)
+    storage.write_json(config, drafter.config.to_dict())

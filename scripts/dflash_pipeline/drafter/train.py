@@ -41,7 +41,7 @@ from dflash_pipeline.drafter.flops import batch_counts, peak_basis, step_flops
 from dflash_pipeline.drafter.heldout import AcceptanceMonitor
 from dflash_pipeline.drafter.loss import WEIGHTINGS, block_loss
 from dflash_pipeline.drafter.metrics import StepMetrics, append_record, plot_metrics, read_records, summarize
-from dflash_pipeline.drafter.model import DFlashDrafter, count_parameters
+from dflash_pipeline.drafter.model import DFlashDrafter, count_parameters, save_drafter
 from dflash_pipeline.drafter.runtime import keeps_torch_threads, make_readable
 from dflash_pipeline.drafter.sources import HiddenSource, TokenSource
 from dflash_pipeline.drafter.steps import Prefetcher, StepData
@@ -408,12 +408,9 @@ def train_step(run: TrainingRun, micro, metrics: StepMetrics) -> torch.Tensor:
 
 def write_outputs(run: TrainingRun, metrics_path, wall: float, start_step: int) -> None:
     """drafter.safetensors, drafter_config.json, metrics.jsonl, summary.json, per_position.png: one rename."""
-    from safetensors.torch import save_file
-
     s, job = run.settings, run.job
     with storage.atomic_dir(job.out) as tmp:
-        save_file(run.drafter.engine_state_dict(), str(tmp / "drafter.safetensors"))
-        storage.write_json(tmp / "drafter_config.json", run.dcfg.to_dict())
+        save_drafter(tmp, run.drafter)
         shutil.copyfile(metrics_path, tmp / "metrics.jsonl")
         records = read_records(metrics_path)
         summary = summarize(records, run.dcfg, s, run.total_steps, len(run.source), wall, start_step)
