@@ -165,13 +165,8 @@ def calibration_rate(path: str | None) -> float | None:
 
 def request_settings(args) -> tuple[SamplingParams, Policy]:
     """The sampling parameters and client policy of these flags (`calibrate` sends exactly what `generate` does)."""
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, enable_thinking=args.enable_thinking, seed=args.seed)
-    policy = Policy(turns=args.turns, max_turns=args.max_turns, on_length=args.on_length,
-                    length_retry_max_new_tokens=args.length_retry_max_new_tokens, max_retries=args.max_retries,
-                    backoff_base_s=args.backoff_base, backoff_max_s=args.backoff_max,
-                    empty_retries=args.empty_retries)
-    return params, policy
+    return (settings.options(SamplingParams, args),
+            settings.options(Policy, args, backoff_base_s=args.backoff_base, backoff_max_s=args.backoff_max))
 
 
 # SGLang's weight_version unless the server was started with --weight-version: it names no weights

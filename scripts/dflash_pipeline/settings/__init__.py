@@ -59,6 +59,12 @@ def field(path: str):
     return dataclasses.field(default_factory=lambda: copy.deepcopy(default(path)), metadata={"setting": path})
 
 
+def options(cls, args, **extra):
+    """An options dataclass from parsed CLI options: each field made with field() takes the option of its name
+    (which the CLI defaults to the schema's), `extra` the rest."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if "setting" in f.metadata}, **extra)
+
+
 def problem(value, property_schema: dict) -> str | None:
     """Why `value` breaks its property's schema (type, bounds, enum), or None."""
     from jsonschema import Draft202012Validator
