@@ -47,6 +47,7 @@ class BatchRun:
     rows: list[RowOutput]
     decode_seconds: float  # prefill + steps, synchronised; allocation and graph capture excluded
     setup_seconds: float
+    prefill_seconds: float  # of decode_seconds: the prompts' prefill (synchronised before the first step)
     logits_dtype: torch.dtype
 
 
@@ -282,6 +283,8 @@ class BatchDecoder:
             t0 = time.perf_counter()
             with torch.no_grad():
                 self._prefill()
+                _sync(self.device)
+                prefill = time.perf_counter() - t0
                 check = 8 if self.device.type == "cuda" else 1  # a host sync every few steps on a GPU
                 for i in range(self.max_new):
                     if i % check == 0 and not bool(self.rows.active.any()):
@@ -290,7 +293,7 @@ class BatchDecoder:
             _sync(self.device)
             seconds = time.perf_counter() - t0
             rows = self.rows.outputs(self.drafter is not None, self.record)
-            return BatchRun(rows, seconds, self.setup_seconds, self.tgt.dtype)
+            return BatchRun(rows, seconds, self.setup_seconds, prefill, self.tgt.dtype)
         finally:
             self.close()
 

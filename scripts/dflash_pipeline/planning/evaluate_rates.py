@@ -20,9 +20,10 @@ import time
 from dflash_pipeline import settings
 
 LADDER = (1, 64)    # batch sizes timed
-STEPS = (8, 40)     # two runs per batch and kind: the difference is the steps' time, without prefill and set-up
+WARMUP_STEPS = 8    # an untimed run first, per batch and kind
+STEPS = 32          # then TIMED runs of this many steps, each timed after its prefill
+TIMED = 2           # the fastest counts: a run stalled by a busy machine does not
 PROMPTS = 64        # samples of the measured token shard taken as prompts
-ATTEMPTS = 3        # timings of a pair at most, while a stall leaves the short run no faster than the long one
 
 
 def measure(model_dir: str, drafter_config: dict, token_shard: str) -> dict:
@@ -50,35 +51,27 @@ def measure(model_dir: str, drafter_config: dict, token_shard: str) -> dict:
     for batch in LADDER:
         rows = (prompts * batch)[:batch]
         for kind, extra in (("plain", {}), ("speculative", {"drafter": drafter, "head": head})):
-            # untimed first: the first prefill at a shape pays one-time kernel selection and allocation, which made
-            # the short timed run the longer one on the H100 (stop 36: a negative difference, floored to 1e-6)
+            # untimed first: the first prefill and steps at a shape pay one-time kernel selection and allocation
             def decode(n: int, rows=rows, extra=extra):
                 return BatchDecoder(target, rows, n, set(), graphs=graphs, **extra).run()
 
-            decode(STEPS[0])
-            out[f"{kind}_step_s"][batch], setup_s = _step_seconds(decode, bool(extra), f"{kind} decoding at batch {batch}")
+            decode(WARMUP_STEPS)
+            out[f"{kind}_step_s"][batch], setup_s = _step_seconds(decode, bool(extra))
             out["setup_s"] = max(out["setup_s"], setup_s)
     return out
 
 
-def _step_seconds(run, speculative: bool, what: str) -> tuple[float, float]:
-    """(seconds a decode step, the long run's set-up): the difference of a STEPS[1]- and a STEPS[0]-step run over
-    their step difference, each run's fastest of up to ATTEMPTS. A run stalled by a busy machine (a CI worker
-    beside it: the short run took longer than the long one) is timed again instead of failing the calibration."""
-    best: dict = {}
-    for _ in range(ATTEMPTS):
-        for n in STEPS:
-            r = run(n)
-            steps = max(len(row.accepted) for row in r.rows) if speculative else n  # greedy: the same each time
-            if n not in best or r.decode_seconds < best[n][0]:
-                best[n] = (r.decode_seconds, steps, r.setup_seconds)
-        (short_s, short_steps, _), (long_s, long_steps, setup_s) = best[STEPS[0]], best[STEPS[1]]
-        step_s = (long_s - short_s) / max(1, long_steps - short_steps)
-        if step_s > 0:
-            return step_s, setup_s
-    raise ValueError(f"{what}: {long_steps} steps took no longer than {short_steps} ({long_s:.4f} s vs "
-                     f"{short_s:.4f} s, the fastest of {ATTEMPTS} tries each); the step time is not measurable "
-                     "this way")
+def _step_seconds(run, speculative: bool) -> tuple[float, float]:
+    """(seconds a decode step, the set-up): a STEPS-step run's time after its prefill over its steps, the fastest of
+    TIMED runs. Timed within one run, not as the difference of a short and a long one: on a busy CPU (a CI worker
+    beside it) the prefill of a batch of 64 varied by more than 32 steps take, so a difference could come out
+    negative even as the fastest of three tries."""
+    best = (float("inf"), 0.0)
+    for _ in range(TIMED):
+        r = run(STEPS)
+        steps = max(len(row.accepted) for row in r.rows) if speculative else STEPS  # greedy: the same each time
+        best = min(best, ((r.decode_seconds - r.prefill_seconds) / max(1, steps), r.setup_seconds))
+    return best
 
 
 def step_time(table: dict, batch: int) -> float:
