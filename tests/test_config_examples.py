@@ -44,6 +44,9 @@ def test_configs_validate():
     jsonschema.validate(merged("config.yaml", "qwen3-8b.example.yaml"), schema)
     jsonschema.validate(merged("config.yaml", "seed_scale.yaml"), schema)
     jsonschema.validate(merged("config.yaml", "smollm2-real.yaml"), schema)
+    jsonschema.validate(merged("config.yaml", "smollm2-real.yaml", "smollm2-scale.yaml"), schema)
+    assert {p.name for p in (REPO / "config").glob("*.yaml")} == {
+        "config.yaml", "qwen3-8b.example.yaml", "seed_scale.yaml", "smollm2-real.yaml", "smollm2-scale.yaml"}
     with pytest.raises(jsonschema.ValidationError, match="'trian' was unexpected"):
         jsonschema.validate({**merged("config.yaml"), "trian": {}}, schema)
 
