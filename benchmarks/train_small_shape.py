@@ -21,7 +21,8 @@ MFU is set against a bf16 8192^3 matmul measured in the same run (and the 790 TF
     PYTHONPATH=scripts python benchmarks/train_small_shape.py [--budget-s 200] [--variants ...]
     PYTHONPATH=scripts python benchmarks/train_small_shape.py --tiny     # CPU smoke test of this script
 Variant words (joined by +): padded|packed, eager|compile, b<batch>, c<head_chunk>, sdpa|flex|split,
-sharegpt|full, a<n> (packed: every sample starts at a multiple of n tokens, a128: on a key tile).
+sharegpt|full, a<n> (packed: every sample starts at a multiple of n tokens, a128: on a key tile), devsel (the loss
+selects the scored positions on the device, with host syncs, instead of taking the batch's host-made index).
 `split` (drafter/split_attention.py) is first checked against the one-mask path (flex on GPU, SDPA on CPU)
 on step 0's first micro-batch with the same weights: column "check" is the max |difference| of the hidden
 states / the relative difference of the gradients.
@@ -30,6 +31,7 @@ states / the relative difference of the gradients.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -109,7 +111,8 @@ def parse_variant(spec: str, gpu: bool) -> dict:
     attention = "split" if "split" in words else "sdpa" if "sdpa" in words or not gpu else "flex"
     v = {"layout": "packed" if "packed" in words else "padded", "compile": "compile" in words and gpu,
          "attention": attention,
-         "profile": "full" if "full" in words else "sharegpt", "batch": 16, "head_chunk": 2048, "pack_align": 1}
+         "profile": "full" if "full" in words else "sharegpt", "batch": 16, "head_chunk": 2048, "pack_align": 1,
+         "devsel": "devsel" in words}
     for w in words:
         if w[0] in "bca" and w[1:].isdigit():
             v[{"b": "batch", "c": "head_chunk", "a": "pack_align"}[w[0]]] = int(w[1:])
@@ -193,7 +196,13 @@ def measure(spec: str, cfg, head, sources, dist_, args, peak) -> dict:
     if check:
         print(f"check {spec}: {json.dumps(check)}", flush=True)
     metrics = StepMetrics(cfg.block_size, dist_.device, peak)
-    prefetch = Prefetcher(lambda step: collate_micro(run, run.steps(step)))
+    def micro(step):
+        batches = collate_micro(run, run.steps(step))
+        # devsel: the loss finds the scored positions itself (boolean selections: device syncs), as before
+        # with_scored_index gave it the host's index
+        return [(dataclasses.replace(b, scored_index=None), c) for b, c in batches] if v["devsel"] else batches
+
+    prefetch = Prefetcher(micro)
     prefetch.start(0)
     if dist_.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -252,6 +252,7 @@ def test_loss_weightings_decay_dpace_none(parts):
     loops from the per-token CE; none = uniform weights; the three give three different losses."""
     import math
 
+    from dflash_pipeline.drafter.batch import scored_mask
     from dflash_pipeline.drafter.loss import draft_all_blocks, scored_labels
 
     cfg, head, drafter, target = parts
@@ -261,7 +262,9 @@ def test_loss_weightings_decay_dpace_none(parts):
         out = {w: block_loss(drafter, head, batch, feats, gamma, weighting=w, dpace_alpha=alpha)
                for w in ("decay", "dpace", "none")}
         hidden = draft_all_blocks(drafter, head, batch, feats, "sdpa", None)
-        y, w_decay, pos_k, sel = scored_labels(batch, batch.input_ids, bs, gamma)
+        y, w_decay, pos_k, index = scored_labels(batch, batch.input_ids, bs, gamma)
+        sel = scored_mask(batch, bs)
+        assert torch.equal(index, sel.nonzero().squeeze(1))
         ce = torch.nn.functional.cross_entropy(head.lm_head(hidden.reshape(-1, hidden.shape[-1])[sel]), y,
                                                reduction="none")
     flat_ce = torch.zeros(sel.shape[0])

@@ -16,7 +16,7 @@ lengths a padded GPU batch of 512 blocks per row computed ~2x the blocks it trai
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -50,6 +50,9 @@ class Batch:
     block_start: torch.Tensor | None = None  # [B, N] first token of the block's sample
     block_end: torch.Tensor | None = None    # [B, N] end (exclusive) of the block's sample
     sample_spans: torch.Tensor | None = None  # [samples, 2] (offset, length) of each sample in the packed row
+    # the scored block positions, flat indices into [B * N * block_size] (with_scored_index: computed on the host,
+    # so the loss selects them without a device synchronisation); None: the loss computes them
+    scored_index: torch.Tensor | None = None
     max_sample: int = 0                       # the longest sample's length (online: the target's padded width)
 
     @property
@@ -136,4 +139,22 @@ def collate_packed(samples: list[dict], anchors: list[torch.Tensor], token_multi
     valid = torch.arange(n_pad)[None, :] < n_blocks
     spans = torch.tensor([[off, t] for off, t in zip(offsets, sizes)], dtype=torch.long)
     return Batch(input_ids, loss_mask, torch.tensor([total]), anc, valid, feats, positions, start, end, spans,
-                 max(sizes))
+                 max_sample=max(sizes))
+
+
+def scored_mask(batch: Batch, block_size: int) -> torch.Tensor:
+    """[B * N * block_size] bool, on the batch's device: position k of a valid block anchored at p is scored when
+    its label p + k is inside the block's sample and supervised (position 0, the anchor itself, never is)."""
+    anchors = batch.anchors
+    b, n = anchors.shape
+    k = torch.arange(block_size, device=anchors.device)
+    label_pos = anchors[:, :, None] + k                                              # [B, N, bs]
+    end = batch.lengths[:, None] if batch.block_end is None else batch.block_end     # labels inside the sample
+    safe = label_pos.clamp(max=batch.loss_mask.shape[1] - 1).view(b, n * block_size)
+    supervised = batch.loss_mask.gather(1, safe).view(b, n, block_size) > 0
+    return (batch.block_valid[:, :, None] & (label_pos < end[:, :, None]) & supervised & (k > 0)).view(-1)
+
+
+def with_scored_index(batch: Batch, block_size: int) -> Batch:
+    """The batch with its scored positions as an index (on the host, where the batch is collated)."""
+    return replace(batch, scored_index=scored_mask(batch, block_size).nonzero().squeeze(1))

@@ -55,11 +55,12 @@ def packed_target_features(target, batch, layer_ids, predictions: bool = False, 
     where = (offsets[:, None] + cols[None, :]).masked_fill(~real, 0)  # packed position of each padded slot
     ids = batch.input_ids[0][where].masked_fill(~real, 0)
     feats, pred = target_outputs(target, ids, sizes, layer_ids, predictions)
-    dest = where[real]
-    packed = feats.new_zeros(1, batch.input_ids.shape[1], feats.shape[-1])
-    packed[0, dest] = feats[real]
+    # every slot is copied, the padded ones to a spare row T that is dropped: no boolean selection, whose size
+    # the host would have to wait for
+    t = batch.input_ids.shape[1]
+    dest = where.masked_fill(~real, t).view(-1)
+    packed = feats.new_zeros(t + 1, feats.shape[-1]).index_copy_(0, dest, feats.reshape(-1, feats.shape[-1]))
     if pred is None:
-        return packed, None
-    labels = batch.input_ids.clone()
-    labels[0, dest] = pred[real]
-    return packed, labels
+        return packed[None, :t], None
+    labels = torch.cat([batch.input_ids[0], batch.input_ids.new_zeros(1)]).index_copy_(0, dest, pred.reshape(-1))
+    return packed[None, :t], labels[None, :t]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from dflash_pipeline.drafter.batch import Batch
+from dflash_pipeline.drafter.batch import Batch, scored_mask
 from dflash_pipeline.drafter.head_loss import head_cross_entropy
 from dflash_pipeline.drafter.masks import dense_block_mask, flex_block_mask, tile_block_mask
 from dflash_pipeline.drafter.model import DFlashDrafter
@@ -43,26 +43,27 @@ def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
 @dataclass
 class BlockLoss:
     loss: torch.Tensor               # scalar, weighted mean CE
-    weight_sum: float
+    weight_sum: torch.Tensor         # scalar (detached), on the loss's device: read it without a synchronisation
     count: torch.Tensor              # [bs] scored labels per block position
     correct: torch.Tensor            # [bs] argmax == label per block position
     ce_sum: torch.Tensor             # [bs] summed CE per block position
     scored_tokens: int
-    block_tokens: int
 
 
 WEIGHTINGS = ("decay", "dpace", "none")
 
 
-def dpace_weights(ce: torch.Tensor, sel: torch.Tensor, bs: int, alpha: float) -> torch.Tensor:
-    """D-PACE weights of the scored tokens (flattened like `ce`), detached; `sel` [B*N*bs] marks them."""
+def dpace_weights(ce: torch.Tensor, index: torch.Tensor, total: int, bs: int, alpha: float) -> torch.Tensor:
+    """D-PACE weights of the scored tokens (ordered like `ce`), detached; `index`: their flat positions among the
+    batch's `total` block positions."""
     with torch.no_grad():
-        q = torch.ones(sel.shape[0], device=ce.device)
-        q[sel] = (1.0 - alpha) * torch.exp(-ce.detach().float()) + alpha
-        scored = sel.view(-1, bs).float()
+        q = torch.ones(total, device=ce.device)
+        q[index] = (1.0 - alpha) * torch.exp(-ce.detach().float()) + alpha
+        scored = torch.zeros(total, device=ce.device)
+        scored[index] = 1.0
         prefix = torch.cumprod(q.view(-1, bs), dim=-1)                 # unscored positions multiply by 1
-        suffix = (prefix * scored).flip(-1).cumsum(-1).flip(-1)
-        return suffix.view(-1)[sel]
+        suffix = (prefix * scored.view(-1, bs)).flip(-1).cumsum(-1).flip(-1)
+        return suffix.view(-1)[index]
 
 
 def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features: torch.Tensor, gamma: float,
@@ -79,15 +80,16 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features:
     hidden = draft_all_blocks(drafter, head, batch, features, attention, compute_dtype)   # [B, N*bs, H]
     if weighting not in WEIGHTINGS:
         raise ValueError(f"loss weighting {weighting!r} is not one of {WEIGHTINGS}")
-    y, w, pos_k, sel = scored_labels(batch, batch.input_ids if labels is None else labels, bs,
-                                     0.0 if weighting == "none" else gamma)
-    b, n = batch.anchors.shape
-    if int(sel.sum()) == 0:
+    y, w, pos_k, index = scored_labels(batch, batch.input_ids if labels is None else labels, bs,
+                                       0.0 if weighting == "none" else gamma)
+    scored = int(index.shape[0])  # a shape: known on the host
+    if scored == 0:
         z = torch.zeros(bs, device=hidden.device)
-        return BlockLoss(hidden.sum() * 0.0, 0.0, z, z.clone(), z.clone(), 0, b * n * bs)
-    ce, top = head_cross_entropy(hidden.reshape(-1, hidden.shape[-1])[sel], head.lm_head.weight, y, head_chunk)
+        return BlockLoss(hidden.sum() * 0.0, z.sum(), z, z.clone(), z.clone(), 0)
+    ce, top = head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), head.lm_head.weight, y,
+                                 head_chunk)
     if weighting == "dpace":
-        w = w * dpace_weights(ce, sel, bs, dpace_alpha)
+        w = w * dpace_weights(ce, index, hidden.shape[0] * hidden.shape[1], bs, dpace_alpha)
     wsum = w.sum()
     loss = (ce * w).sum() / wsum
     with torch.no_grad():
@@ -96,7 +98,7 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features:
 
         count, correct = per_position(torch.ones_like(ce)), per_position((top == y).float())
         ce_sum = per_position(ce.detach())
-    return BlockLoss(loss, float(wsum), count, correct, ce_sum, int(sel.sum()), int(batch.block_valid.sum()) * bs)
+    return BlockLoss(loss, wsum.detach(), count, correct, ce_sum, scored)
 
 
 def draft_all_blocks(drafter, head: TargetHead, batch: Batch, features: torch.Tensor, attention: str,
@@ -120,19 +122,14 @@ def draft_all_blocks(drafter, head: TargetHead, batch: Batch, features: torch.Te
 
 
 def scored_labels(batch: Batch, labels: torch.Tensor, bs: int, gamma: float):
-    """(labels, weights, block positions, selection) of the scored block tokens, flattened: position k of
-    a valid block anchored at p is scored when p + k is inside the sequence and supervised."""
-    anchors, dev = batch.anchors, batch.anchors.device
-    b, n = anchors.shape
-    s = labels.shape[1]
-    k = torch.arange(bs, device=dev)
-    label_pos = anchors[:, :, None] + k                                       # [B, N, bs]
-    end = batch.lengths[:, None] if batch.block_end is None else batch.block_end   # labels inside the sample
-    in_range = label_pos < end[:, :, None]
-    safe = label_pos.clamp(max=s - 1).view(b, n * bs)
-    picked = labels.gather(1, safe).view(-1)
-    supervised = batch.loss_mask.gather(1, safe).view(b, n, bs) > 0
-    decay = decay_weights(bs, gamma, device=dev)                              # decay[0] == 0
-    weights = ((batch.block_valid[:, :, None] & in_range & supervised).float() * decay).view(-1)
-    sel = weights > 0
-    return picked[sel], weights[sel], k.expand(b, n, bs).reshape(-1)[sel], sel
+    """(labels, weights, block positions, index) of the scored block tokens (batch.scored_mask), flattened;
+    `index`: their flat positions among the batch's [B * N * bs]. The batch's host-computed `scored_index` when
+    it has one (the training step's: no device synchronisation here), else found here."""
+    index = batch.scored_index
+    if index is None:
+        index = scored_mask(batch, bs).nonzero().squeeze(1)
+    n = batch.anchors.shape[1]
+    block, k = index // bs, index % bs
+    rows = block // n
+    picked = labels[rows, batch.anchors.view(-1)[block] + k]
+    return picked, decay_weights(bs, gamma, device=index.device)[k], k, index

@@ -32,7 +32,7 @@ import torch
 
 from dflash_pipeline import storage
 from dflash_pipeline.compile_profile import name_compiled_workload
-from dflash_pipeline.drafter.batch import collate, collate_packed
+from dflash_pipeline.drafter.batch import collate, collate_packed, with_scored_index
 from dflash_pipeline.drafter.checkpoints import CheckpointStore
 from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.distributed import Dist
@@ -368,6 +368,7 @@ def collate_micro(run: TrainingRun, micro) -> list:
         else:  # fixed padded shapes on GPU, so compiled kernels see few distinct shapes
             batch = collate(samples, anchors, pad_multiple=256 if run.gpu else 1,
                             num_blocks=run.settings.num_anchors if run.gpu else 0)
+        batch = with_scored_index(batch, run.dcfg.block_size)  # the loss then selects without a device sync
         counts = batch_counts(batch, run.dcfg.block_size)
         out.append((batch.pin_memory() if run.gpu else batch, counts))
     return out
