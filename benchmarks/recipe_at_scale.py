@@ -60,6 +60,9 @@ SCALE = {
     "gen_batch": 512,          # slot engine rows (KV cache 512 x 2048 x 30 layers: ~24 GB bf16; --gen-batch 1024 on
                                # an H200: the slot engine measured 28K tok/s at 1,024 rows, 17K at 256, w640)
     "num_layers": 5, "num_anchors": 512, "batch_size": 16, "epochs": 1.0, "lr": 6e-4, "gamma": 7.0,
+    # stop 39's runs (the table's first rows) trained padded: the variants stay comparable with them; `packed`
+    # is the layout's own variant (train.layout auto packs online with compile since)
+    "layout": "padded",
     "checkpoint_every": 100,   # steps: what a call that ends mid-training loses at most
     "acceptance_every": 500,
     "subset_fraction": 0.25,   # `@sub` runs (the variants) train on this share of the token shards
@@ -70,7 +73,7 @@ SCALE = {
 }
 TINY = {"records": 0, "max_turns": 3, "prompt_max_chars": 400, "shard_size": 8, "max_new_tokens": 8,
         "temperature": 0.7, "context": 256, "gen_batch": 16, "num_layers": 1, "num_anchors": 8, "batch_size": 4,
-        "epochs": 2.0, "lr": 1e-3, "gamma": 7.0, "checkpoint_every": 2, "acceptance_every": 0,
+        "epochs": 2.0, "lr": 1e-3, "gamma": 7.0, "layout": "padded", "checkpoint_every": 2, "acceptance_every": 0,
         "subset_fraction": 0.5, "holdout_fraction": 0.0, "eval_max_new_tokens": 8, "eval_prompts": 2,
         "bundle_part_mib": 8, "bundle_mib": 48}
 
@@ -90,6 +93,8 @@ VARIANTS = {
     "batch-4": {"batch_size": 4},
     # 1 epoch of all 36,619 turns ended still learning (train accuracy 0.144; H100, 2026-12-06)
     "epochs-3": {"epochs": 3.0},
+    # the same recipe, all samples of a micro-batch in one row: its speed and that tau does not move
+    "packed": {"layout": "packed"},
 }
 
 
@@ -653,7 +658,7 @@ def run_spec(run: str) -> tuple[dict, bool]:
     if not all(p in VARIANTS for p in parts) or data not in ("", "sub", "peer"):
         raise SystemExit(f"unknown run {run!r}: VARIANT[+VARIANT][@sub|@peer] with VARIANT one of "
                          f"{', '.join(VARIANTS)}")
-    s = {k: SCALE[k] for k in ("num_layers", "num_anchors", "batch_size", "epochs", "lr", "gamma")}
+    s = {k: SCALE[k] for k in ("num_layers", "num_anchors", "batch_size", "epochs", "lr", "gamma", "layout")}
     s.update(loss_weighting="decay", labels="data")
     for p in parts:
         s.update(VARIANTS[p])
@@ -694,7 +699,7 @@ def stage_train(a) -> None:
                 "--out", d / "drafter", "--checkpoint-dir", d / "ckpt", "--num-layers", s["num_layers"],
                 "--num-anchors", s["num_anchors"], "--gamma", s["gamma"], "--loss-weighting", s["loss_weighting"],
                 "--labels", s["labels"], "--max-length", SCALE["context"], "--batch-size", s["batch_size"],
-                "--epochs", s["epochs"], "--lr", s["lr"], "--warmup-ratio", 0.04, "--seed", 0,
+                "--epochs", s["epochs"], "--lr", s["lr"], "--layout", s["layout"], "--warmup-ratio", 0.04, "--seed", 0,
                 "--checkpoint-every", SCALE["checkpoint_every"], "--keep-checkpoints", 1,
                 "--log-every", 10 if gpu else 1,
                 "--holdout-fraction", SCALE["holdout_fraction"], "--acceptance-every", SCALE["acceptance_every"],

@@ -254,6 +254,8 @@ def test_run_names_combine_variants_left_to_right():
     assert (s["batch_size"], s["epochs"], s["lr"], data) == (4, 3.0, ras.SCALE["lr"], "sub")
     assert ras.run_spec("paper")[0]["batch_size"] == ras.SCALE["batch_size"] and ras.run_spec("paper")[1] == "all"
     assert ras.run_spec("lr-1.2e-3+lr-2.4e-3@peer")[0]["lr"] == 2.4e-3
+    # the layout is part of a run's settings: padded as the first runs trained, `packed` the layout's own variant
+    assert ras.run_spec("paper@sub")[0]["layout"] == "padded" and ras.run_spec("packed@sub")[0]["layout"] == "packed"
     for bad in ("batch-4+nope", "paper@half", "+paper"):
         with pytest.raises(SystemExit, match="unknown run"):
             ras.run_spec(bad)
