@@ -16,6 +16,7 @@ full generation when the projection exceeds generate.max_wall_hours / max_gpu_ho
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import glob
 import json
 import os
@@ -341,7 +342,13 @@ def run(args) -> int:
         with storage.atomic_open(args.out, "w", encoding="utf-8") as fh:
             fh.write(text)
     if args.json:
-        storage.write_json(args.json, {**plan, "target": shape, "target_layer_ids": layer_ids, "mask_token": mask})
+        # stamped: a plan rerun always rewrites the file with other bytes, so the generation gate (a checkpoint
+        # reading it) always decides again. Rewritten with the same bytes, it was pending before the plan ran and
+        # not to be run after, and Snakemake 9.27 then never released the jobs that wait for it: evaluation ran on
+        # the old drafter before training (tests/test_online_workflow.py)
+        stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds")
+        storage.write_json(args.json, {**plan, "target": shape, "target_layer_ids": layer_ids, "mask_token": mask,
+                                       "planned_at": stamp})
     return 0
 
 
