@@ -345,7 +345,8 @@ def run(args) -> int:
         # stamped: a plan rerun always rewrites the file with other bytes, so the generation gate (a checkpoint
         # reading it) always decides again. Rewritten with the same bytes, it was pending before the plan ran and
         # not to be run after, and Snakemake 9.27 then never released the jobs that wait for it: evaluation ran on
-        # the old drafter before training (tests/test_online_workflow.py)
+        # the old drafter before training (tests/test_online_workflow.py; a checkpoint behind a checkpoint,
+        # snakemake/snakemake#3862, open)
         stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds")
         storage.write_json(args.json, {**plan, "target": shape, "target_layer_ids": layer_ids, "mask_token": mask,
                                        "planned_at": stamp})
