@@ -14,6 +14,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.target import text_config
 
+DRAFTER_FILES = ("drafter.safetensors", "drafter_config.json")  # a trained drafter: train writes, export reads
+
 
 @dataclass
 class DrafterConfig:

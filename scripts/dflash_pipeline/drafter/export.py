@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline import settings, storage
-from dflash_pipeline.drafter.config import MROPE_KEYS, DrafterConfig, target_shapes
+from dflash_pipeline.drafter.config import DRAFTER_FILES, MROPE_KEYS, DrafterConfig, target_shapes
 from dflash_pipeline.drafter.runtime import make_readable
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.target import read_config, text_config
@@ -209,12 +209,11 @@ def run(args) -> int:
     from safetensors.torch import save_file
 
     check_output_dirs("export", out=args.out)
-    drafter_dir = Path(args.drafter)
-    dcfg = DrafterConfig.from_dict(_read_json(drafter_dir / "drafter_config.json"),
-                                   f"{drafter_dir}/drafter_config.json")
-    state = _read_weights(drafter_dir / "drafter.safetensors")
-    check_weights(state, dcfg, f"{drafter_dir}/drafter.safetensors")
-    check_same_target(dcfg, args.model, str(drafter_dir))
+    weights, config = (Path(args.drafter) / name for name in DRAFTER_FILES)
+    dcfg = DrafterConfig.from_dict(_read_json(config), str(config))
+    state = _read_weights(weights)
+    check_weights(state, dcfg, str(weights))
+    check_same_target(dcfg, args.model, str(Path(args.drafter)))
     dtype = DTYPES[args.dtype]
     cfg = engine_config(read_config(args.model), dcfg, args.dtype)
     mask_text = mask_token_text(args.model, dcfg.mask_token_id, args.trust_remote_code)

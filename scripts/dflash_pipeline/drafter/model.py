@@ -22,11 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_pipeline.drafter.config import DrafterConfig
+from dflash_pipeline.drafter.config import DRAFTER_FILES, DrafterConfig
 from dflash_pipeline.drafter.split_attention import SplitMask, compiled_flex_attention, split_attend
 from dflash_pipeline.errors import PipelineError
-
-DRAFTER_FILES = ("drafter.safetensors", "drafter_config.json")  # what train writes and export reads
 
 
 class RMSNorm(nn.Module):
