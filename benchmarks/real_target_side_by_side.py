@@ -744,11 +744,15 @@ def steady_rate(kind: str, out: Path, recipe_: dict) -> float | None:
         if not vals:  # rows of total_seq_len tokens per step
             ms = [float(v) for v in re.findall(r"step_ms[=:'\" ]+([0-9.e+]+)", text)]
             vals = [recipe_.get("max_length", 0) * 1e3 / v for v in ms if v > 0]
-    else:  # specforge: one sample per step
-        secs = [float(v) for v in re.findall(r"optimizer_step_time_s['\"]?[:=]\s*([0-9.e+-]+)", text)]
+    else:  # specforge: samples/s as it logs them (else `batch_size` samples per optimizer step) x mean length
         man = recipe_.get("_manifest") or {}
         mean_len = man.get("tokens", 0) / max(1, man.get("samples", 1))
-        vals = [mean_len / s for s in secs if s > 0]
+        rates = [float(v) for v in re.findall(r"global_samples_per_second['\"]?[:=]\s*([0-9.e+-]+)", text)]
+        if not rates:
+            batch = (read_json(out / "specforge_run.json", {}) or {}).get("batch_size") or 1
+            secs = [float(v) for v in re.findall(r"optimizer_step_time_s['\"]?[:=]\s*([0-9.e+-]+)", text)]
+            rates = [batch / s for s in secs if s > 0]
+        vals = [mean_len * r for r in rates]
     vals = vals[3:] or vals
     return statistics.median(vals) if vals else None
 

@@ -938,7 +938,10 @@ def stage_peer_train(a) -> None:
                                                        specforge_batch=batch))
     shutil.copytree(p / name, w.drafters / run_name)
     run = read_json(p / "logs" / f"{a.peer}_run.json", {}) or {}
-    write_json(w.results / f"train-{run_name}.json", dict(run, wall_s_stage=time.perf_counter() - t))
+    man = read_json(p / {"specforge": "peer_sf", "speculators": "peer_spec"}[a.peer] / "manifest.json", {}) or {}
+    rate = sbs.steady_rate(a.peer, p / "logs", dict(man.get("recipe") or {}, _manifest=man))  # from its own log
+    write_json(w.results / f"train-{run_name}.json", dict(run, wall_s_stage=time.perf_counter() - t,
+                                                           median_tokens_per_s=rate))
     w.update(runs={run_name: {"trained": True, "exported": True}})
 
 
