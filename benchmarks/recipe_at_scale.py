@@ -827,7 +827,28 @@ def ours_for_peers(plan: dict | None) -> str:
     return "paper@sub" if plan and plan.get("equal_to_sub") else "paper@peer"
 
 
-def peer_layout(w: Work) -> Path:
+def shape_configs(w: Work, run: str, device: str) -> tuple[Path, Path]:
+    """(drafter_config.json, exported config.json) of a trained run: its own files, else (a cold machine: the
+    bundle carries no finished run's files) the same shape rebuilt by the same commands, one optimizer step of the
+    run's settings on its first shard (the weights are not used: the peers copy the shape)."""
+    own = w.train / run / "drafter" / "drafter_config.json", w.drafters / run / "config.json"
+    if all(f.exists() for f in own):
+        return own
+    d = w.shapes / run
+    if not (d / "export" / "config.json").exists():
+        s, subset = run_spec(run)
+        shutil.rmtree(d, ignore_errors=True)
+        cli("train", "--mode", "online", "--inputs", run_inputs(w, subset)[0], "--model", target_dir(w),
+            "--out", d / "drafter", "--checkpoint-dir", d / "ckpt", "--num-layers", s["num_layers"],
+            "--num-anchors", s["num_anchors"], "--gamma", s["gamma"], "--max-length", SCALE["context"],
+            "--batch-size", 1, "--max-steps", 1, "--holdout-fraction", SCALE["holdout_fraction"], "--seed", 0,
+            "--device", device, *(["--cpu-threads", 1] if device == "cpu" else []))
+        cli("export", "--drafter", d / "drafter", "--model", target_dir(w), "--out", d / "export", "--dtype",
+            "bfloat16")
+    return d / "drafter" / "drafter_config.json", d / "export" / "config.json"
+
+
+def peer_layout(w: Work, device: str) -> Path:
     """A work directory in real_target_side_by_side.py's layout, so its SpecForge and speculators stages run
     unchanged: the target, the config of our drafter they are compared with (the shape every side trains), this
     run's train settings (overrides.yaml) and the peer subset's token shards."""
@@ -835,15 +856,15 @@ def peer_layout(w: Work) -> Path:
 
     plan = read_json(w.results / "peer-plan.json")
     run = ours_for_peers(plan)
-    ours = w.train / run / "drafter"
-    if plan is None or not (ours / "drafter_config.json").exists():
+    if plan is None or not (w.progress().get("runs") or {}).get(run, {}).get("exported"):
         raise SystemExit(f"peers: run peer-plan and train --runs {run} first (the shape and recipe they copy)")
+    drafter_config, engine_config = shape_configs(w, run, device)
     p = w.peers
     res = p / "wf" / "results"
     for d in (res / "train" / "drafter", res / "drafter", res / "tokens" / "regenerated"):
         d.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(ours / "drafter_config.json", res / "train" / "drafter" / "drafter_config.json")
-    shutil.copyfile(w.drafters / run / "config.json", res / "drafter" / "config.json")
+    shutil.copyfile(drafter_config, res / "train" / "drafter" / "drafter_config.json")
+    shutil.copyfile(engine_config, res / "drafter" / "config.json")
     for name in plan["shards"]:
         link = res / "tokens" / "regenerated" / name
         if not link.exists():
@@ -871,7 +892,7 @@ def stage_peer_data(a) -> None:
     import real_target_side_by_side as sbs
 
     w = Work(a.work)
-    p = peer_layout(w)
+    p = peer_layout(w, a.device)
     dest = p / {"specforge": "peer_sf", "speculators": "peer_spec"}[a.peer]
     other = p / {"specforge": "peer_spec", "speculators": "peer_sf"}[a.peer]
     if (dest / "manifest.json").exists():
@@ -929,7 +950,7 @@ def stage_peer_train(a) -> None:
     run_name = peer_run_name(a, w)
     if (w.drafters / run_name / "config.json").exists():
         return
-    p = peer_layout(w)
+    p = peer_layout(w, a.device)
     for d in (name, "sf_out" if a.peer == "specforge" else "spec_out"):  # another batch's run of this peer
         shutil.rmtree(p / d, ignore_errors=True)
     t = time.perf_counter()

@@ -210,6 +210,17 @@ def test_one_peers_files_at_a_time_from_ours_samples(runs, tiny_target):
         call("peer-data", extra=("--peer", "speculators"))
     call("peer-clean", extra=("--peer", "specforge"))
     assert not (a.peers / "peer_sf").exists()
+    # a cold machine: the bundle carries no finished run's files; the peers get the same shape, rebuilt
+    cold = ras.Work(root / "cold")
+    shutil.copytree(a.root, cold.root, symlinks=True)
+    for d in (cold.train / "paper@sub", cold.drafters / "paper@sub", cold.peers):
+        shutil.rmtree(d)
+    p = ras.peer_layout(cold, "cpu")
+    for got, want in ((p / "wf/results/train/drafter/drafter_config.json",
+                       a.train / "paper@sub/drafter/drafter_config.json"),
+                      (p / "wf/results/drafter/config.json", a.drafters / "paper@sub/config.json")):
+        assert json.loads(got.read_text()) == json.loads(want.read_text())
+    assert not (cold.drafters / "paper@sub").exists()  # evaluate must not take the rebuilt shape for a drafter
     # --peer-shards caps the subset below the @sub share: ours is then trained again on exactly those shards
     b = ras.Work(root / "capped")
     shutil.copytree(a.root, b.root, symlinks=True)
