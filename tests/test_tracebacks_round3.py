@@ -8,9 +8,6 @@ from __future__ import annotations
 import resource
 import shutil
 import subprocess
-import time
-
-import pytest
 
 from conftest import BIN, run_cli
 from test_train import _train_args, token_shards  # noqa: F401 - the module fixture
@@ -42,7 +39,6 @@ def test_train_refuses_a_file_as_checkpoint_dir_or_out_before_any_work(tiny_targ
     afile.write_text("x")
     for ckpt, out, option in ((afile, tmp_path / "out", "--checkpoint-dir"), (tmp_path / "ck", afile, "--out"),
                               (tmp_path / "ck", afile / "sub", "--out")):
-        t0 = time.monotonic()
         proc = run_cli(*_train_args(tiny_target, token_shards, out, ckpt), check=False)
         line = _one_line(proc, f"train: {option} ", str(afile))
         assert "is a file" in line
@@ -68,8 +64,8 @@ def _drafter_dir(tiny_target, root):
 def test_export_on_a_full_disk_or_into_a_file_is_one_line(tiny_target, tmp_path):
     drafter = _drafter_dir(tiny_target, tmp_path)
     args = ["export", "--drafter", drafter, "--model", tiny_target, "--out", tmp_path / "export"]
-    line = _one_line(_cli_limited(args, 40_000), f"export: writing {tmp_path / 'export'} failed: safetensors:",
-                     "File too large", "make room, then rerun")
+    _one_line(_cli_limited(args, 40_000), f"export: writing {tmp_path / 'export'} failed: safetensors:",
+              "File too large", "make room, then rerun")
     assert not (tmp_path / "export").exists()
     (tmp_path / "file").write_text("x")
     args[-1] = tmp_path / "file"
