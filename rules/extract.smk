@@ -87,15 +87,10 @@ rule extract:
     params:
         model=lambda wc, input: target_model_dir(input.model),
         target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
-        partial=lambda wc, output: output[0] + ".partial",
-        outs=lambda wc, output: [
-            os.path.join(output[0] + ".partial", f"{s}.dfhs")
-            for s in EXTRACTION_GROUPS.members(wc.exgroup, shard_ids())
-        ],
-        stats=lambda wc, output: [
-            os.path.join(output[0] + ".partial", f"{s}.stats.json")
-            for s in EXTRACTION_GROUPS.members(wc.exgroup, shard_ids())
-        ],
+        partial=partial_dir,  # (rules/common.smk)
+        outs=lambda wc, output: partial_files(output, EXTRACTION_GROUPS.members(wc.exgroup, shard_ids()), ".dfhs"),
+        stats=lambda wc, output: partial_files(output, EXTRACTION_GROUPS.members(wc.exgroup, shard_ids()),
+                                               ".stats.json"),
         # the plan resolved the layer ids: a rewritten plan with the same ids reruns nothing
         settings=lambda wc: PARAMS.extract(planned()),
     shell:
@@ -104,7 +99,7 @@ rule extract:
         "mkdir -p {params.partial:q} && "
         "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline extract --tokens {input.tokens:q} --model {params.model:q} "
         "--out {params.outs:q} --stats {params.stats:q} --settings {params.settings:q} --encode-threads {threads} "
-        "> {log:q} 2>&1 && rm -rf {output:q} && mv {params.partial:q} {output:q}"
+        "> {log:q} 2>&1 && " + PUBLISH
 
 
 rule hidden_from_group:

@@ -34,13 +34,9 @@ if GEN["enabled"]:
         params:
             model=lambda wc, input: target_model_dir(input.model),
             target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
-            # the group's files are written under .partial and renamed at the end: a killed job (SIGKILL, no
-            # cleanup) leaves no directory that a rerun could take for complete; the journal keeps its samples
-            partial=lambda wc, output: output[0] + ".partial",
-            outs=lambda wc, output: [
-                os.path.join(output[0] + ".partial", f"{s}.parquet")
-                for s in GENERATION_GROUPS.members(wc.gengroup, shard_ids())
-            ],
+            partial=partial_dir,  # (rules/common.smk) the journal keeps a killed job's samples
+            outs=lambda wc, output: partial_files(output, GENERATION_GROUPS.members(wc.gengroup, shard_ids()),
+                                                  ".parquet"),
             journal=os.path.join(R, "completions/journal"),
             server_logs=lambda wc: log(f"generate/{wc.gengroup}.servers").removesuffix(".log"),
             settings=GEN_SETTINGS,
@@ -48,8 +44,7 @@ if GEN["enabled"]:
             "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline generate --input {input.shards:q} --out {params.outs:q} --model {params.model:q} "
             "--journal-dir {params.journal:q} --server-log-dir {params.server_logs:q} --calibration {input.calibration:q} "
             "--settings {params.settings:q} "
-            '--runtime-settings "$DFLASH_GENERATE_RUNTIME" > {log:q} 2>&1 && '
-            "rm -rf {output:q} && mv {params.partial:q} {output:q}"
+            '--runtime-settings "$DFLASH_GENERATE_RUNTIME" > {log:q} 2>&1 && ' + PUBLISH
 
     rule completions_from_group:
         input:

@@ -67,12 +67,12 @@ rule shard:
         ENV_CPU
     params:
         specs=lambda wc: json.dumps(shard_group_specs(wc), sort_keys=True),
-        partial=lambda wc, output: output[0] + ".partial",
+        partial=partial_dir,  # (rules/common.smk)
     shell:
         # nothing to resume (a shard takes a moment): a killed job's .partial directory is started afresh
         "rm -rf {params.partial:q} && "
         "dflash-pipeline shard --records {input.records:q} --specs {params.specs:q} --out-dir {params.partial:q} > {log:q} 2>&1 && "
-        "rm -rf {output:q} && mv {params.partial:q} {output:q}"
+        + PUBLISH
 
 
 rule shard_from_group:

@@ -22,12 +22,11 @@ rule tokenize:
         model=lambda wc, input: target_model_dir(input.model),
         target=TOKENIZER_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         settings=lambda wc: PARAMS.tokenize(wc.dataset),
-        partial=lambda wc, output: output[0] + ".partial",
+        partial=partial_dir,  # (rules/common.smk)
     shell:
-        # written under .partial and renamed: a killed job leaves nothing a rerun takes for complete
         "rm -rf {params.partial:q} && "
         "dflash-pipeline tokenize --input {input.conversations:q} --model {params.model:q} --out-dir {params.partial:q} "
-        "--settings {params.settings:q} > {log:q} 2>&1 && rm -rf {output:q} && mv {params.partial:q} {output:q}"
+        "--settings {params.settings:q} > {log:q} 2>&1 && " + PUBLISH
 
 
 rule tokens_from_group:
