@@ -96,7 +96,7 @@ def log(name):
     return os.path.join(R, "logs", f"{name}.log")
 
 
-# A group job writes its directory as {output}.partial and renames it at its end (PUBLISH): a killed job (SIGKILL,
+# A group job writes its directory as {output}.partial and renames it at its end: a killed job (SIGKILL,
 # no cleanup) leaves nothing that a rerun could take for complete. (Not `partial`: Snakemake's own name here.)
 def partial_dir(wildcards, output):
     return output[0] + ".partial"
@@ -104,9 +104,6 @@ def partial_dir(wildcards, output):
 
 def partial_files(output, members, suffix):
     return [os.path.join(output[0] + ".partial", f"{m}{suffix}") for m in members]
-
-
-PUBLISH = "rm -rf {output:q} && mv {params.partial:q} {output:q}"
 
 
 def bench(name):

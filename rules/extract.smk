@@ -89,8 +89,9 @@ rule extract:
         target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         partial=partial_dir,  # (rules/common.smk)
         outs=lambda wc, output: partial_files(output, EXTRACTION_GROUPS.members(wc.exgroup, shard_ids()), ".dfhs"),
-        stats=lambda wc, output: partial_files(output, EXTRACTION_GROUPS.members(wc.exgroup, shard_ids()),
-                                               ".stats.json"),
+        stats=lambda wc, output: partial_files(
+            output, EXTRACTION_GROUPS.members(wc.exgroup, shard_ids()), ".stats.json"
+        ),
         # the plan resolved the layer ids: a rewritten plan with the same ids reruns nothing
         settings=lambda wc: PARAMS.extract(planned()),
     shell:
@@ -99,7 +100,7 @@ rule extract:
         "mkdir -p {params.partial:q} && "
         "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline extract --tokens {input.tokens:q} --model {params.model:q} "
         "--out {params.outs:q} --stats {params.stats:q} --settings {params.settings:q} --encode-threads {threads} "
-        "> {log:q} 2>&1 && " + PUBLISH
+        "> {log:q} 2>&1 && rm -rf {output:q} && mv {params.partial:q} {output:q}"
 
 
 rule hidden_from_group:

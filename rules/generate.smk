@@ -35,8 +35,9 @@ if GEN["enabled"]:
             model=lambda wc, input: target_model_dir(input.model),
             target=TARGET_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
             partial=partial_dir,  # (rules/common.smk) the journal keeps a killed job's samples
-            outs=lambda wc, output: partial_files(output, GENERATION_GROUPS.members(wc.gengroup, shard_ids()),
-                                                  ".parquet"),
+            outs=lambda wc, output: partial_files(
+                output, GENERATION_GROUPS.members(wc.gengroup, shard_ids()), ".parquet"
+            ),
             journal=os.path.join(R, "completions/journal"),
             server_logs=lambda wc: log(f"generate/{wc.gengroup}.servers").removesuffix(".log"),
             settings=GEN_SETTINGS,
@@ -44,7 +45,8 @@ if GEN["enabled"]:
             "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline generate --input {input.shards:q} --out {params.outs:q} --model {params.model:q} "
             "--journal-dir {params.journal:q} --server-log-dir {params.server_logs:q} --calibration {input.calibration:q} "
             "--settings {params.settings:q} "
-            '--runtime-settings "$DFLASH_GENERATE_RUNTIME" > {log:q} 2>&1 && ' + PUBLISH
+            '--runtime-settings "$DFLASH_GENERATE_RUNTIME" > {log:q} 2>&1 && '
+            "rm -rf {output:q} && mv {params.partial:q} {output:q}"
 
     rule completions_from_group:
         input:

@@ -26,7 +26,7 @@ rule tokenize:
     shell:
         "rm -rf {params.partial:q} && "
         "dflash-pipeline tokenize --input {input.conversations:q} --model {params.model:q} --out-dir {params.partial:q} "
-        "--settings {params.settings:q} > {log:q} 2>&1 && " + PUBLISH
+        "--settings {params.settings:q} > {log:q} 2>&1 && rm -rf {output:q} && mv {params.partial:q} {output:q}"
 
 
 rule tokens_from_group:
