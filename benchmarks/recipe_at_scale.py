@@ -959,7 +959,7 @@ def stage_peer_train(a) -> None:
                                                        specforge_batch=batch))
     shutil.copytree(p / name, w.drafters / run_name)
     run = read_json(p / "logs" / f"{a.peer}_run.json", {}) or {}
-    man = read_json(p / {"specforge": "peer_sf", "speculators": "peer_spec"}[a.peer] / "manifest.json", {}) or {}
+    man = read_json(w.results / f"peer-data-{a.peer}.json", {}) or {}  # peer-data's manifest
     rate = sbs.steady_rate(a.peer, p / "logs", dict(man.get("recipe") or {}, _manifest=man))  # from its own log
     write_json(w.results / f"train-{run_name}.json", dict(run, wall_s_stage=time.perf_counter() - t,
                                                            median_tokens_per_s=rate))

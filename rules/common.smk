@@ -103,7 +103,7 @@ def partial_dir(wildcards, output):
 
 
 def partial_files(output, members, suffix):
-    return [os.path.join(output[0] + ".partial", f"{m}{suffix}") for m in members]
+    return [os.path.join(partial_dir(None, output), f"{m}{suffix}") for m in members]
 
 
 def bench(name):

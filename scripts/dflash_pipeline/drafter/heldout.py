@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from dflash_pipeline.drafter.batch import collate, sample_anchors
+from dflash_pipeline.drafter.batch import collate, sample_anchors, scored_mask
 from dflash_pipeline.drafter.loss import draft_all_blocks
 
 log = logging.getLogger("dflash_pipeline.drafter.train")
@@ -34,11 +34,9 @@ def block_acceptance(drafter, head, batch, features, attention: str, compute_dty
     b, n = batch.anchors.shape
     pred = pred.view(b, n, bs)
     pos = batch.anchors[:, :, None] + torch.arange(bs, device=pred.device)
-    in_range = pos < batch.lengths[:, None, None]
     safe = pos.clamp(max=batch.input_ids.shape[1] - 1).view(b, -1)
     label = batch.input_ids.gather(1, safe).view(b, n, bs)
-    supervised = batch.loss_mask.gather(1, safe).view(b, n, bs) > 0
-    match = (pred == label) & in_range & supervised
+    match = (pred == label) & scored_mask(batch, bs).view(b, n, bs)  # the positions the loss scores
     run = torch.cumprod(match[:, :, 1:].long(), dim=-1)[batch.block_valid]     # [blocks, bs-1]
     reach = torch.cat([torch.full((1,), run.shape[0], device=run.device), run.sum(0)]).float()
     return run.shape[0], float(run.sum()) + run.shape[0], reach
