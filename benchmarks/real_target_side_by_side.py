@@ -537,10 +537,16 @@ def stage_speculators(a) -> None:
     write_json(out / "speculators_args.json", [str(x) for x in args])
     t = time.perf_counter()
     sh([sys.executable, "-m", "speculators.train", *args], out / "train_speculators.log", env=peer_env())
-    write_json(out / "speculators_run.json", {"wall_s": time.perf_counter() - t, "max_anchors_per_row": anchors,
-                                              "tokens": man["tokens"] * r["epochs"]})
     ckpt = sorted((p for p in (w / "spec_out").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))[-1]
+    write_json(out / "speculators_run.json", {"wall_s": time.perf_counter() - t, "max_anchors_per_row": anchors,
+                                              "tokens": man["tokens"] * r["epochs"], "steps": speculators_steps(ckpt)})
     speculators_to_dflash(ckpt, target_dir(w), w / "spec_export")
+
+
+def speculators_steps(ckpt: Path) -> int | None:
+    """Optimizer steps the run took: the `global_step` speculators 0.9.0 saves beside each epoch's checkpoint
+    (`<save_path>/<epoch>/training_state.json`, trainer.py) once the epoch's steps are counted."""
+    return (read_json(ckpt / "training_state.json", {}) or {}).get("global_step")
 
 
 def speculators_to_dflash(ckpt: Path, target: Path, dest: Path) -> None:

@@ -958,6 +958,10 @@ def stage_peer_train(a) -> None:
     getattr(sbs, f"stage_{a.peer}")(argparse.Namespace(work=str(p), out=str(p / "logs"), device=a.device,
                                                        specforge_batch=batch))
     shutil.copytree(p / name, w.drafters / run_name)
+    log_ = p / "logs" / f"train_{a.peer}.log"  # its own log comes back with the call's logs (peer-clean keeps none)
+    if log_.exists():
+        (w.root / "logs").mkdir(exist_ok=True)
+        shutil.copyfile(log_, w.root / "logs" / f"train-{run_name}.log")
     run = read_json(p / "logs" / f"{a.peer}_run.json", {}) or {}
     man = read_json(w.results / f"peer-data-{a.peer}.json", {}) or {}  # peer-data's manifest
     rate = sbs.steady_rate(a.peer, p / "logs", dict(man.get("recipe") or {}, _manifest=man))  # from its own log
