@@ -85,6 +85,7 @@ VARIANTS = {
     "anchors-128": {"num_anchors": 128},
     "layers-3": {"num_layers": 3},                 # cheaper to serve
     "target-labels": {"labels": "target"},         # speculators' choice: the target's own argmax
+    "distill": {"labels": "distill"},              # the target's whole next-token distribution (soft CE)
     "lr-3e-4": {"lr": 3e-4},
     "lr-1.2e-3": {"lr": 1.2e-3},
     "lr-2.4e-3": {"lr": 2.4e-3},                   # batch 16 at 4x the rate: batch 4's gain from steps or from lr x steps?

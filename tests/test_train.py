@@ -231,10 +231,10 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one_and_new_data_rest
     assert list(ckpt.glob("stale-*/step-00000004.pt"))
 
 
-@pytest.mark.parametrize("labels", ["data", "target"])
+@pytest.mark.parametrize("labels", ["data", "target", "distill"])
 def test_online_training_in_the_packed_layout_matches_the_padded(tiny_target, token_shards, tmp_path, labels):
     """`--layout packed` online (the GPU's auto layout with compile): the same steps' losses as the padded layout
-    to float precision; with target labels too."""
+    to float precision; with target labels and with the target's distributions (distill) too."""
     losses = {}
     for layout in ("padded", "packed"):
         out = tmp_path / layout
@@ -244,3 +244,15 @@ def test_online_training_in_the_packed_layout_matches_the_padded(tiny_target, to
         losses[layout] = [r["loss"] for r in recs]
     assert len(losses["packed"]) == len(losses["padded"]) == 4
     assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-4)
+
+
+def test_distill_labels_need_the_target_beside_the_drafter_and_no_dpace(tiny_target, token_shards, tmp_path, capsys):
+    """`--labels distill` reads the target's distributions while it trains: offline shards hold none, and D-PACE
+    (exp(-CE) of one label as an acceptance estimate) has no meaning for a soft CE; both stop before any work."""
+    rc = run_in_process(*_train_args(tiny_target, token_shards, tmp_path / "a", tmp_path / "a-ck", mode="offline",
+                                     labels="distill"))
+    assert rc != 0 and "--labels distill needs --mode online" in capsys.readouterr().err
+    rc = run_in_process(*_train_args(tiny_target, token_shards, tmp_path / "b", tmp_path / "b-ck", labels="distill",
+                                     loss_weighting="dpace"))
+    assert rc != 0 and "--labels distill with --loss-weighting dpace" in capsys.readouterr().err
+    assert not (tmp_path / "a-ck").exists() and not (tmp_path / "b-ck").exists()

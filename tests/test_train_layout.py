@@ -185,7 +185,7 @@ def test_online_packed_features_are_each_samples_own_and_train_as_padded(parts):
     for x in samples:
         del x["features"]  # online: the source gives ids only
     packed = collate_packed(samples, anc, token_multiple=64, block_multiple=8, sample_multiple=4)
-    feats, labels = packed_target_features(target, packed, cfg.target_layer_ids, predictions=True, pad_multiple=16)
+    feats, labels = packed_target_features(target, packed, cfg.target_layer_ids, labels="target", pad_multiple=16)
     covered = torch.zeros(packed.input_ids.shape[1], dtype=torch.bool)
     for x, (off, t) in zip(samples, packed.sample_spans.tolist()):
         f, p = target_features_and_predictions(target, torch.as_tensor(x["input_ids"])[None], torch.tensor([t]),

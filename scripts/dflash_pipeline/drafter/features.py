@@ -1,6 +1,7 @@
 """Online features: the target runs beside the drafter and gives the outputs of its decoder layers
 `target_layer_ids` (target_layers.LayerOutputs: the same tensors extraction stores and evaluation uses) and,
-for `--labels target`, its own greedy predictions."""
+for `--labels target`, its own greedy predictions; for `--labels distill`, its final hidden state (after the
+final norm), whose logits through the head are its next-token distribution (head_loss.py)."""
 
 from __future__ import annotations
 
@@ -35,26 +36,45 @@ def target_features_and_predictions(target, input_ids, lengths, layer_ids) -> tu
         return cap.features(), pred
 
 
-def target_outputs(target, input_ids, lengths, layer_ids, predictions: bool):
-    """(features, the target's greedy tokens with `predictions` else None) of a padded batch."""
-    if predictions:
+def target_features_and_next_hidden(target, input_ids, lengths, layer_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features as `target_features`, plus for every position t the target's final hidden state at t - 1
+    [B, S, H] (the one its head reads to predict token t; position 0: zeros, never scored)."""
+    base = getattr(target, "model", None) or target.base_model
+    with torch.no_grad(), LayerOutputs(target, layer_ids) as cap:
+        out = base(input_ids=input_ids, attention_mask=_padding_mask(input_ids, lengths), use_cache=False)
+        last = out.last_hidden_state
+        return cap.features(), torch.cat([torch.zeros_like(last[:, :1]), last[:, :-1]], dim=1)
+
+
+LABELS = ("data", "target", "distill")
+
+
+def target_outputs(target, input_ids, lengths, layer_ids, labels: str = "data"):
+    """(features, labels) of a padded batch: labels None (`data`: the batch's own tokens), the target's greedy
+    tokens [B, S] (`target`) or its final hidden states for each position's token [B, S, H] (`distill`)."""
+    if labels == "target":
         return target_features_and_predictions(target, input_ids, lengths, layer_ids)
+    if labels == "distill":
+        return target_features_and_next_hidden(target, input_ids, lengths, layer_ids)
+    if labels != "data":
+        raise ValueError(f"labels {labels!r} is not one of {LABELS}")
     return target_features(target, input_ids, lengths, layer_ids), None
 
 
-def packed_target_features(target, batch, layer_ids, predictions: bool = False, pad_multiple: int = 1):
+def packed_target_features(target, batch, layer_ids, labels: str = "data", pad_multiple: int = 1):
     """Online features of a packed row (`collate_packed`: samples end to end in [1, T]): the target runs on the
     samples as a padded batch [samples, S] (each from position 0, alone, as in the padded layout) and its outputs
-    go back to the packed positions. Returns (features [1, T, n*H], labels [1, T] or None): with `predictions`,
+    go back to the packed positions. Returns (features [1, T, n*H], labels): None for `data`; for `target` [1, T],
     the target's greedy token per position as `target_features_and_predictions` gives it (each sample's first
-    token keeps its data token; the row's padding keeps its ids)."""
+    token keeps its data token; the row's padding keeps its ids); for `distill` [1, T, H], the hidden states of
+    `target_features_and_next_hidden` (zeros at each sample's first position and the padding)."""
     offsets, sizes = batch.sample_spans[:, 0], batch.sample_spans[:, 1]
     width = -(-batch.max_sample // pad_multiple) * pad_multiple
     cols = torch.arange(width, device=offsets.device)
     real = cols[None, :] < sizes[:, None]
     where = (offsets[:, None] + cols[None, :]).masked_fill(~real, 0)  # packed position of each padded slot
     ids = batch.input_ids[0][where].masked_fill(~real, 0)
-    feats, pred = target_outputs(target, ids, sizes, layer_ids, predictions)
+    feats, pred = target_outputs(target, ids, sizes, layer_ids, labels)
     # every slot is copied, the padded ones to a spare row T that is dropped: no boolean selection, whose size
     # the host would have to wait for
     t = batch.input_ids.shape[1]
@@ -62,5 +82,8 @@ def packed_target_features(target, batch, layer_ids, predictions: bool = False, 
     packed = feats.new_zeros(t + 1, feats.shape[-1]).index_copy_(0, dest, feats.reshape(-1, feats.shape[-1]))
     if pred is None:
         return packed[None, :t], None
-    labels = torch.cat([batch.input_ids[0], batch.input_ids.new_zeros(1)]).index_copy_(0, dest, pred.reshape(-1))
-    return packed[None, :t], labels[None, :t]
+    if pred.dim() == 3:  # distill: hidden states, copied like the features
+        hidden = pred.new_zeros(t + 1, pred.shape[-1]).index_copy_(0, dest, pred.reshape(-1, pred.shape[-1]))
+        return packed[None, :t], hidden[None, :t]
+    tokens = torch.cat([batch.input_ids[0], batch.input_ids.new_zeros(1)]).index_copy_(0, dest, pred.reshape(-1))
+    return packed[None, :t], tokens[None, :t]

@@ -7,6 +7,11 @@ the head is frozen, so the only gradient is d ce / d hidden, and each token's CE
 row only: the forward computes, chunk by chunk, the CE, the argmax and d ce_t / d h_t = (softmax - onehot) W,
 keeps that [T, H] gradient, and backward scales it by the incoming gradient. Same math as the plain path
 (two matmuls per token, fp32 softmax), memory O(chunk x vocab).
+
+`labels: distill` scores each token against the target's whole next-token distribution instead of one token:
+the soft cross-entropy -sum_v p_v log q_v (the KL to the target plus its entropy, a constant), whose gradient
+is softmax - p. The target's logits come from its final hidden state through the same frozen head, chunk by
+chunk as well (a third matmul per token).
 """
 
 from __future__ import annotations
@@ -80,3 +85,62 @@ def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
         logits = F.linear(hidden.to(weight.dtype), weight)
         return F.cross_entropy(logits.float(), labels, reduction="none"), logits.detach().argmax(-1)
     return _ChunkedHeadCE.apply(hidden, weight, labels, int(chunk))
+
+
+def _soft_ce_and_grad(logits: torch.Tensor, target_logits: torch.Tensor):
+    """(soft ce fp32, argmax, the target's argmax, d ce / d logits = softmax - p) of one chunk."""
+    lf, tf = logits.float(), target_logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    p = torch.softmax(tf, dim=-1)
+    ce = lse - (p * lf).sum(-1)
+    grad = (lf - lse[:, None]).exp() - p
+    return ce, lf.argmax(-1), tf.argmax(-1), grad.to(logits.dtype)
+
+
+def _soft_fn(device: torch.device):
+    if device.type != "cuda":
+        return _soft_ce_and_grad
+    if "soft" not in _COMPILED:
+        _COMPILED["soft"] = torch.compile(_soft_ce_and_grad, dynamic=None)
+    return _COMPILED["soft"]
+
+
+class _ChunkedHeadSoftCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target_hidden, chunk):
+        need = ctx.needs_input_grad[0]
+        ces, tops, ys, grads = [], [], [], []
+        for i in range(0, hidden.shape[0], chunk):
+            logits = F.linear(hidden[i:i + chunk].to(weight.dtype), weight)
+            target_logits = F.linear(target_hidden[i:i + chunk].to(weight.dtype), weight)
+            ce, top, y, g = _soft_fn(logits.device)(logits, target_logits)
+            ces.append(ce)
+            tops.append(top)
+            ys.append(y)
+            grads.append(g.to(weight.dtype) @ weight if need else None)
+        ctx.save_for_backward(torch.cat(grads) if need else None)
+        ctx.hidden_dtype = hidden.dtype
+        top, y = torch.cat(tops), torch.cat(ys)
+        ctx.mark_non_differentiable(top, y)
+        return torch.cat(ces), top, y
+
+    @staticmethod
+    def backward(ctx, grad_ce, _grad_top, _grad_y):
+        (dce_dh,) = ctx.saved_tensors
+        grad = None if dce_dh is None else (dce_dh.float() * grad_ce[:, None]).to(ctx.hidden_dtype)
+        return grad, None, None, None
+
+
+def head_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_hidden: torch.Tensor,
+                            chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token soft CE [T] fp32, argmax [T], the target's argmax [T]) of `hidden` [T, H] through the frozen
+    head `weight` [V, H], against the distribution of the target's final hidden state `target_hidden` [T, H]
+    (no gradient) through the same head. chunk 0: the plain path (autograd through all logits at once)."""
+    target_hidden = target_hidden.detach()
+    if chunk <= 0:
+        logits = F.linear(hidden.to(weight.dtype), weight).float()
+        with torch.no_grad():
+            target_logits = F.linear(target_hidden.to(weight.dtype), weight).float()
+        ce = F.cross_entropy(logits, torch.softmax(target_logits, -1), reduction="none")
+        return ce, logits.detach().argmax(-1), target_logits.argmax(-1)
+    return _ChunkedHeadSoftCE.apply(hidden, weight, target_hidden, int(chunk))

@@ -10,6 +10,8 @@ normalized by the sum of weights. Weightings (`train.loss_weighting`):
   for the scored positions behind it that a mistake there would cost; the definition read from SpecForge
   0.2.0's `dpace` loss type, speculators' own code was not at hand to compare);
 - none: w_k = 1 (SpecForge's default).
+With `soft` (train.labels: distill, online) each scored token's CE is against the target's whole next-token
+distribution (head_loss.py); its accuracy counts the target's argmax as the label.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from dflash_pipeline.drafter.batch import Batch, scored_mask
-from dflash_pipeline.drafter.head_loss import head_cross_entropy
+from dflash_pipeline.drafter.head_loss import head_cross_entropy, head_soft_cross_entropy
 from dflash_pipeline.drafter.masks import dense_block_mask, flex_block_mask, tile_block_mask
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.split_attention import split_block_mask
@@ -69,25 +71,33 @@ def dpace_weights(ce: torch.Tensor, index: torch.Tensor, total: int, bs: int, al
 def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features: torch.Tensor, gamma: float,
                attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
                labels: torch.Tensor | None = None, head_chunk: int = 0, weighting: str = "decay",
-               dpace_alpha: float = 0.5) -> BlockLoss:
+               dpace_alpha: float = 0.5, soft: torch.Tensor | None = None) -> BlockLoss:
     """One forward of all blocks of the batch and the weighted same-position cross-entropy.
 
     `labels` [B, S]: the token expected at each position (default: the data, `batch.input_ids`); block
     position k of the block anchored at p is scored against labels[p + k]. `head_chunk` > 0: the LM head and
-    CE run over that many scored tokens at a time (head_loss.py), never holding all logits.
+    CE run over that many scored tokens at a time (head_loss.py), never holding all logits. `soft` [B, S, H]:
+    the target's final hidden state whose head logits are the distribution of the token at each position
+    (features.py), scored by soft CE instead of `labels`.
     """
     bs = drafter.config.block_size
     hidden = draft_all_blocks(drafter, head, batch, features, attention, compute_dtype)   # [B, N*bs, H]
     if weighting not in WEIGHTINGS:
         raise ValueError(f"loss weighting {weighting!r} is not one of {WEIGHTINGS}")
+    if soft is not None and weighting == "dpace":
+        raise ValueError("dpace weighting reads exp(-CE) as an acceptance estimate: not defined for soft labels")
     y, w, pos_k, index = scored_labels(batch, batch.input_ids if labels is None else labels, bs,
                                        0.0 if weighting == "none" else gamma)
     scored = int(index.shape[0])  # a shape: known on the host
     if scored == 0:
         z = torch.zeros(bs, device=hidden.device)
         return BlockLoss(hidden.sum() * 0.0, z.sum(), z, z.clone(), z.clone(), 0)
-    ce, top = head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), head.lm_head.weight, y,
-                                 head_chunk)
+    scored_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+    if soft is None:
+        ce, top = head_cross_entropy(scored_hidden, head.lm_head.weight, y, head_chunk)
+    else:
+        ce, top, y = head_soft_cross_entropy(scored_hidden, head.lm_head.weight,
+                                             scored_rows(batch, soft, index, bs), head_chunk)
     if weighting == "dpace":
         w = w * dpace_weights(ce, index, hidden.shape[0] * hidden.shape[1], bs, dpace_alpha)
     wsum = w.sum()
@@ -133,3 +143,10 @@ def scored_labels(batch: Batch, labels: torch.Tensor, bs: int, gamma: float):
     rows = block // n
     picked = labels[rows, batch.anchors.view(-1)[block] + k]
     return picked, decay_weights(bs, gamma, device=index.device)[k], k, index
+
+
+def scored_rows(batch: Batch, values: torch.Tensor, index: torch.Tensor, bs: int) -> torch.Tensor:
+    """values[b, p + k] ([B, S, ...]) of each scored block token (flat `index`, scored_labels' order)."""
+    n = batch.anchors.shape[1]
+    block, k = index // bs, index % bs
+    return values[block // n, batch.anchors.view(-1)[block] + k]

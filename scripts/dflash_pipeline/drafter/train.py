@@ -36,7 +36,7 @@ from dflash_pipeline.drafter.batch import collate, collate_packed, with_scored_i
 from dflash_pipeline.drafter.checkpoints import CheckpointStore
 from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.distributed import Dist
-from dflash_pipeline.drafter.features import packed_target_features, target_features, target_outputs
+from dflash_pipeline.drafter.features import LABELS, packed_target_features, target_features, target_outputs
 from dflash_pipeline.drafter.flops import batch_counts, peak_basis, step_flops
 from dflash_pipeline.drafter.heldout import AcceptanceMonitor
 from dflash_pipeline.drafter.loss import WEIGHTINGS, block_loss
@@ -88,9 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-mirror",
                    help="s3://bucket/prefix: upload checkpoints there and resume from there on a new machine")
     p.add_argument("--log-every", type=int)
-    p.add_argument("--labels", choices=["data", "target"],
+    p.add_argument("--labels", choices=list(LABELS),
                    help="data: the sequence's own next tokens (the recipe); target (online only): the target's "
-                        "greedy prediction at each position, for data that is not the target's own output")
+                        "greedy prediction at each position, for data that is not the target's own output; "
+                        "distill (online only): the target's whole next-token distribution (soft CE)")
     p.add_argument("--holdout-fraction", type=float, help="sample ids kept for evaluation")
     p.add_argument("--acceptance-every", type=int,
                    help="every N steps (and at the end) the simulated acceptance on held-out samples (0: never)")
@@ -321,14 +322,14 @@ class _DDPCall:
 
 
 def _features_and_labels(run: TrainingRun, batch):
-    """Stored features (offline), or the target's (online), and the labels (None: the data's own tokens)."""
+    """Stored features (offline), or the target's (online), and the labels (None: the data's own tokens; the
+    target's tokens, or for `distill` its final hidden states: features.target_outputs)."""
     if batch.features is not None:
         return batch.features, None
-    predictions = run.settings.labels == "target"
     if batch.sample_spans is not None:  # a packed row: the target sees each sample alone, padded
-        return packed_target_features(run.target, batch, run.dcfg.target_layer_ids, predictions,
+        return packed_target_features(run.target, batch, run.dcfg.target_layer_ids, run.settings.labels,
                                       pad_multiple=256 if run.gpu else 1)
-    return target_outputs(run.target, batch.input_ids, batch.lengths, run.dcfg.target_layer_ids, predictions)
+    return target_outputs(run.target, batch.input_ids, batch.lengths, run.dcfg.target_layer_ids, run.settings.labels)
 
 
 def acceptance_monitor(run: TrainingRun) -> AcceptanceMonitor | None:
@@ -383,12 +384,13 @@ def train_step(run: TrainingRun, micro, metrics: StepMetrics) -> torch.Tensor:
     for m, (host_batch, counts) in enumerate(micro):
         batch = host_batch.to(run.device)
         feats, labels = _features_and_labels(run, batch)
+        soft, labels = (labels, None) if run.settings.labels == "distill" else (None, labels)
         sync = run.model.no_sync() if ddp and m < len(micro) - 1 else contextlib.nullcontext()
         with sync, torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.gpu):
             out = block_loss(drafter_call, run.head, batch, feats, run.settings.gamma, attention=run.attention,
                              compute_dtype=torch.bfloat16 if run.gpu else torch.float32, labels=labels,
                              head_chunk=run.settings.head_chunk, weighting=run.settings.loss_weighting,
-                             dpace_alpha=run.settings.dpace_alpha)
+                             dpace_alpha=run.settings.dpace_alpha, soft=soft)
             (out.loss / len(micro)).backward()
         counts = dataclasses.replace(counts, scored=out.scored_tokens)
         metrics.add(out, counts.context, counts.positions, step_flops(run.dcfg, counts))
@@ -430,8 +432,12 @@ def _run(args) -> int:
 
 def train(s, job: TrainJob) -> int:
     """One training run: `s` the typed train settings (config train: and drafter: keys), `job` its files."""
-    if s.labels == "target" and s.mode != "online":
-        raise PipelineError("--labels target needs --mode online (the target's predictions are not in the shards)")
+    if s.labels != "data" and s.mode != "online":
+        raise PipelineError(f"--labels {s.labels} needs --mode online (the target's predictions are not in the "
+                            "shards)")
+    if s.labels == "distill" and s.loss_weighting == "dpace":
+        raise PipelineError("--labels distill with --loss-weighting dpace: D-PACE reads exp(-CE) of one label as "
+                            "an acceptance estimate, which a soft CE is not; use decay or none")
     check_output_dirs("train", checkpoint_dir=job.checkpoint_dir, out=job.out)  # before any work, not after it
     # setup: shapes from the target, data, drafter, optimizer; resume from this run's newest valid checkpoint
     run = setup_run(s, job)
