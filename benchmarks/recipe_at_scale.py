@@ -63,7 +63,9 @@ SCALE = {
     # stop 39's runs (the table's first rows) trained padded: the variants stay comparable with them; `packed`
     # is the layout's own variant (train.layout auto packs online with compile since)
     "layout": "padded",
-    "checkpoint_every": 100,   # steps: what a call that ends mid-training loses at most
+    # both in steps at `batch_size`; a run at another batch keeps the samples between them (`per_samples`): at
+    # batch 4 a held-out measurement every 500 steps (~10 s each on the H100) would take ~3 of the 10 minutes
+    "checkpoint_every": 100,   # what a call that ends mid-training loses at most
     "acceptance_every": 500,
     "subset_fraction": 0.25,   # `@sub` runs (the variants) train on this share of the token shards
     "holdout_fraction": 0.02,
@@ -701,9 +703,9 @@ def stage_train(a) -> None:
                 "--num-anchors", s["num_anchors"], "--gamma", s["gamma"], "--loss-weighting", s["loss_weighting"],
                 "--labels", s["labels"], "--max-length", SCALE["context"], "--batch-size", s["batch_size"],
                 "--epochs", s["epochs"], "--lr", s["lr"], "--layout", s["layout"], "--warmup-ratio", 0.04, "--seed", 0,
-                "--checkpoint-every", SCALE["checkpoint_every"], "--keep-checkpoints", 1,
-                "--log-every", 10 if gpu else 1,
-                "--holdout-fraction", SCALE["holdout_fraction"], "--acceptance-every", SCALE["acceptance_every"],
+                "--checkpoint-every", per_samples("checkpoint_every", s), "--keep-checkpoints", 1,
+                "--log-every", 10 if gpu else 1, "--holdout-fraction", SCALE["holdout_fraction"],
+                "--acceptance-every", per_samples("acceptance_every", s),
                 "--device", a.device, *(["--compile"] if gpu else ["--cpu-threads", 1]))
             w.update(runs={run: {"trained": True, "train_wall_s": time.perf_counter() - t}})
             write_json(w.results / f"train-{run}.json", train_summary(d / "drafter"))
@@ -712,6 +714,11 @@ def stage_train(a) -> None:
         w.update(runs={run: {"exported": True}})
         if "evaluate" in a.stages:  # now, not after the other runs: a call that ends later has this tau already
             stage_evaluate(a)
+
+
+def per_samples(key: str, s: dict) -> int:
+    """SCALE[key] (steps at SCALE's batch) for a run at batch s["batch_size"]: the same samples apart (0 stays 0)."""
+    return max(1, round(SCALE[key] * SCALE["batch_size"] / s["batch_size"])) if SCALE[key] else 0
 
 
 def train_summary(drafter: Path) -> dict:
