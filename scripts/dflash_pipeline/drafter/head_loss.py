@@ -34,12 +34,13 @@ def _ce_and_grad(logits: torch.Tensor, y: torch.Tensor):
 _COMPILED: dict[str, object] = {}
 
 
-def _ce_and_grad_fn(device: torch.device):
+def _on(device: torch.device, fn):
+    """`fn` compiled on a GPU (into a few passes over the chunk), as written on CPU."""
     if device.type != "cuda":
-        return _ce_and_grad
-    if "fn" not in _COMPILED:
-        _COMPILED["fn"] = torch.compile(_ce_and_grad, dynamic=None)
-    return _COMPILED["fn"]
+        return fn
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=None)
+    return _COMPILED[fn.__name__]
 
 
 def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bool):
@@ -48,7 +49,7 @@ def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_gr
     if not need_grad:
         lf = logits.float()
         return torch.logsumexp(lf, -1) - lf.gather(1, y[:, None]).squeeze(1), lf.argmax(-1), None
-    ce, top, grad = _ce_and_grad_fn(logits.device)(logits, y)
+    ce, top, grad = _on(logits.device, _ce_and_grad)(logits, y)
     return ce, top, grad.to(weight.dtype) @ weight
 
 
@@ -97,14 +98,6 @@ def _soft_ce_and_grad(logits: torch.Tensor, target_logits: torch.Tensor):
     return ce, lf.argmax(-1), tf.argmax(-1), grad.to(logits.dtype)
 
 
-def _soft_fn(device: torch.device):
-    if device.type != "cuda":
-        return _soft_ce_and_grad
-    if "soft" not in _COMPILED:
-        _COMPILED["soft"] = torch.compile(_soft_ce_and_grad, dynamic=None)
-    return _COMPILED["soft"]
-
-
 class _ChunkedHeadSoftCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target_hidden, chunk):
@@ -113,7 +106,7 @@ class _ChunkedHeadSoftCE(torch.autograd.Function):
         for i in range(0, hidden.shape[0], chunk):
             logits = F.linear(hidden[i:i + chunk].to(weight.dtype), weight)
             target_logits = F.linear(target_hidden[i:i + chunk].to(weight.dtype), weight)
-            ce, top, y, g = _soft_fn(logits.device)(logits, target_logits)
+            ce, top, y, g = _on(logits.device, _soft_ce_and_grad)(logits, target_logits)
             ces.append(ce)
             tops.append(top)
             ys.append(y)
