@@ -112,3 +112,35 @@ def test_evaluation_gives_the_drafter_the_same_features(setup, tiny_target):
     assert sorted(seen) == list(range(len(seen))) and len(seen) > len(prompt) + 5 and len(accepted) > 5
     for pos, f in seen.items():
         torch.testing.assert_close(f, full[pos], rtol=1e-4, atol=1e-5)
+
+
+def test_online_features_stop_after_the_last_wanted_layer(setup):
+    """Online training runs the target only up to its last feature layer (as extraction does), with the same
+    features as a whole forward, and leaves the model without hooks."""
+    from dflash_pipeline.target_layers import LayerOutputs, find_decoder_layers
+
+    target, n_layers, ids, _ = setup
+    layers = find_decoder_layers(target)
+    before = [len(layer._forward_hooks) for layer in layers]  # extraction keeps its (inactive) hooks on a model
+    ran = []
+    handles = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, layer in enumerate(layers)]
+    head_calls = []
+    handles.append(target.lm_head.register_forward_hook(lambda *a: head_calls.append(1)))
+    try:
+        online = _online(target, ids, [0, 1])
+        assert sorted(set(ran)) == [0, 1] and not head_calls and n_layers > 2
+        ran.clear()
+        s = max(LENGTHS)
+        batch = torch.stack([torch.nn.functional.pad(torch.as_tensor(x, dtype=torch.long), (0, s - len(x)))
+                             for x in ids])
+        mask = (torch.arange(s)[None] < torch.tensor(LENGTHS)[:, None]).long()
+        with torch.no_grad(), LayerOutputs(target, [0, 1]) as cap:
+            target.model(input_ids=batch, attention_mask=mask, use_cache=False)  # the whole decoder
+            whole = cap.features()
+        assert sorted(set(ran)) == list(range(n_layers))
+        for i, x in enumerate(ids):
+            torch.testing.assert_close(online[i], whole[i, :len(x)], rtol=1e-5, atol=1e-6)
+    finally:
+        for h in handles:
+            h.remove()
+    assert [len(layer._forward_hooks) for layer in layers] == before

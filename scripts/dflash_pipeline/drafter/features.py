@@ -1,5 +1,5 @@
 """Online features: the target runs beside the drafter and gives the outputs of its decoder layers
-`target_layer_ids` (target_layers.LayerOutputs: the same tensors extraction stores and evaluation uses) and,
+`target_layer_ids` (the same tensors extraction stores and evaluation uses: target_layers.py) and,
 for `--labels target`, its own greedy predictions; for `--labels distill`, its final hidden state (after the
 final norm), whose logits through the head are its next-token distribution (head_loss.py)."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash_pipeline.hidden_states.capture import LayerCapture
 from dflash_pipeline.target_layers import LayerOutputs
 
 
@@ -18,12 +19,16 @@ def _padding_mask(input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tenso
 def target_features(target, input_ids: torch.Tensor, lengths: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
     """Concatenated outputs of the target's decoder layers `layer_ids` ([B, S, n*H]).
 
-    Runs the target's decoder only (no LM head), under no_grad, with right padding masked out.
+    Runs the target's decoder up to the last of them only, as extraction does (hidden_states/capture.py: no later
+    layers, no final norm, no LM head: SmolLM2 with layers up to 27 of 30 skips a tenth of its forward), under
+    no_grad, with right padding masked out.
     """
-    base = getattr(target, "model", None) or target.base_model
-    with torch.no_grad(), LayerOutputs(target, layer_ids) as cap:
-        base(input_ids=input_ids, attention_mask=_padding_mask(input_ids, lengths), use_cache=False)
-        return cap.features()
+    cap = LayerCapture(target, layer_ids)
+    try:
+        with torch.no_grad():
+            return cap.run(input_ids, attention_mask=_padding_mask(input_ids, lengths)).flatten(2)
+    finally:
+        cap.remove()
 
 
 def target_features_and_predictions(target, input_ids, lengths, layer_ids) -> tuple[torch.Tensor, torch.Tensor]:
