@@ -138,7 +138,8 @@ def test_step_flops_equal_a_hand_count():
     batch = collate([{"input_ids": np.arange(6), "loss_mask": mask}], [torch.tensor([1, 3])], num_blocks=3)
     counts = batch_counts(batch, cfg.block_size)
     # positions: 2 valid blocks x 4 (the padding block is not counted); keys: (1 + 4) x 4 + (3 + 4) x 4
-    assert counts == StepCounts(positions=8, attended=48, context=6)
+    assert counts == StepCounts(positions=8, attended=48, context=6, scored=5)
+    assert batch_counts(with_scored_index(batch, cfg.block_size), cfg.block_size) == counts
     # per position: q 2*8*8 + k 2*8*4 + v 2*8*4 + o 2*8*8 = 384, MLP 3 * 2*8*16 = 768 -> 1152
     # layers: 3 (fwd + bwd) x (8 positions x 1152 + attention 4 x 8 (q dim) x 48 keys = 1536) = 32256
     # context: 6 tokens x (fc 2*16*8 fwd + the same for its weight gradient = 512, k/v 3 x 2*8*8 = 384) = 5376
@@ -164,7 +165,8 @@ def test_metrics_record_positions_tflops_and_mfu(parts):
     batch = collate_packed(samples, anc)
     out, _ = _loss_and_grads(cfg, head, batch)
     counts = batch_counts(batch, cfg.block_size)
-    flops = step_flops(cfg, StepCounts(counts.positions, counts.attended, counts.context, out.scored_tokens))
+    assert counts.scored == out.scored_tokens  # counted on the host as the loss scores them
+    flops = step_flops(cfg, counts)
     metrics = StepMetrics(cfg.block_size, torch.device("cpu"), peak_flops=1e9)
     metrics.add(out, counts.context, counts.positions, flops)
     rec = metrics.record(Dist("cpu"), 1, 0.1, 1e-3, torch.tensor(1.0))

@@ -41,11 +41,16 @@ class StepCounts:
 
 
 def batch_counts(batch, block_size: int) -> StepCounts:
-    """Blocks, attended keys and context tokens of a batch (padded or packed layout; any device)."""
+    """Blocks, attended keys, context tokens and scored positions of a batch (padded or packed layout; any
+    device: the training step counts its batches on the host, before they go to the GPU)."""
+    from dflash_pipeline.drafter.batch import scored_mask
+
     valid = batch.block_valid
     start = torch.zeros_like(batch.anchors) if batch.block_start is None else batch.block_start
     seen = ((batch.anchors - start).clamp(min=0) + block_size) * valid        # keys per position of each block
-    return StepCounts(int(valid.sum()) * block_size, int(seen.sum()) * block_size, int(batch.lengths.sum()))
+    scored = (int(batch.scored_index.numel()) if batch.scored_index is not None
+              else int(scored_mask(batch, block_size).sum()))
+    return StepCounts(int(valid.sum()) * block_size, int(seen.sum()) * block_size, int(batch.lengths.sum()), scored)
 
 
 def step_flops(cfg, counts: StepCounts) -> float:
