@@ -63,8 +63,9 @@ SCALE = {
     # stop 39's runs (the table's first rows) trained padded: the variants stay comparable with them; `packed`
     # is the layout's own variant (train.layout auto packs online with compile since)
     "layout": "padded",
-    # both in steps at `batch_size`; a run at another batch keeps the samples between them (`per_samples`): at
-    # batch 4 a held-out measurement every 500 steps (~10 s each on the H100) would take ~3 of the 10 minutes
+    # both in steps at `batch_size`; a run at another batch keeps the samples between them (`per_samples`), so
+    # its held-out curve has points at the same samples (on the H100 the first measurement of a run took ~9 s,
+    # compiling; the later ones well under 1 s) and a checkpoint costs the same share of its time
     "checkpoint_every": 100,   # what a call that ends mid-training loses at most
     "acceptance_every": 500,
     "subset_fraction": 0.25,   # `@sub` runs (the variants) train on this share of the token shards
