@@ -43,34 +43,58 @@ def _on(device: torch.device, fn):
     return _COMPILED[fn.__name__]
 
 
-def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bool):
-    """(ce [n] fp32, argmax [n], d ce / d h [n, H] or None) of one chunk of hidden rows."""
+def _soft_ce_and_grad(logits: torch.Tensor, target_logits: torch.Tensor):
+    """(soft ce fp32, argmax, the target's argmax, d ce / d logits = softmax - p) of one chunk."""
+    lf, tf = logits.float(), target_logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    p = torch.softmax(tf, dim=-1)
+    ce = lse - (p * lf).sum(-1)
+    grad = (lf - lse[:, None]).exp() - p
+    return ce, lf.argmax(-1), tf.argmax(-1), grad.to(logits.dtype)
+
+
+def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, need_grad: bool):
+    """(ce [n] fp32, argmax [n], label [n], d ce / d h [n, H] or None) of one chunk of hidden rows. `target`: the
+    chunk's labels (token ids), or the target's final hidden states (soft CE against their distribution; the
+    label is then the target's argmax)."""
     logits = F.linear(h, weight)
-    if not need_grad:
-        lf = logits.float()
-        return torch.logsumexp(lf, -1) - lf.gather(1, y[:, None]).squeeze(1), lf.argmax(-1), None
-    ce, top, grad = _on(logits.device, _ce_and_grad)(logits, y)
-    return ce, top, grad.to(weight.dtype) @ weight
+    if target.is_floating_point():
+        target_logits = F.linear(target.to(weight.dtype), weight)
+        if not need_grad:
+            lf, tf = logits.float(), target_logits.float()
+            ce = torch.logsumexp(lf, -1) - (torch.softmax(tf, -1) * lf).sum(-1)
+            return ce, lf.argmax(-1), tf.argmax(-1), None
+        ce, top, y, grad = _on(logits.device, _soft_ce_and_grad)(logits, target_logits)
+    else:
+        y = target
+        if not need_grad:
+            lf = logits.float()
+            return torch.logsumexp(lf, -1) - lf.gather(1, y[:, None]).squeeze(1), lf.argmax(-1), y, None
+        ce, top, grad = _on(logits.device, _ce_and_grad)(logits, y)
+    return ce, top, y, grad.to(weight.dtype) @ weight
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
+    """Hard or soft CE (`target`: labels or the target's hidden states, `_chunk_stats`), chunk by chunk."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk):
+    def forward(ctx, hidden, weight, target, chunk):
         need = ctx.needs_input_grad[0]
-        ces, tops, grads = [], [], []
+        ces, tops, ys, grads = [], [], [], []
         for i in range(0, hidden.shape[0], chunk):
-            ce, top, g = _chunk_stats(hidden[i:i + chunk].to(weight.dtype), weight, labels[i:i + chunk], need)
+            ce, top, y, g = _chunk_stats(hidden[i:i + chunk].to(weight.dtype), weight, target[i:i + chunk], need)
             ces.append(ce)
             tops.append(top)
+            ys.append(y)
             grads.append(g)
         ctx.save_for_backward(torch.cat(grads) if need else None)
         ctx.hidden_dtype = hidden.dtype
-        top = torch.cat(tops)
-        ctx.mark_non_differentiable(top)
-        return torch.cat(ces), top
+        top, y = torch.cat(tops), torch.cat(ys)
+        ctx.mark_non_differentiable(top, y)
+        return torch.cat(ces), top, y
 
     @staticmethod
-    def backward(ctx, grad_ce, _grad_top):
+    def backward(ctx, grad_ce, _grad_top, _grad_y):
         (dce_dh,) = ctx.saved_tensors
         grad = None if dce_dh is None else (dce_dh.float() * grad_ce[:, None]).to(ctx.hidden_dtype)
         return grad, None, None, None
@@ -85,43 +109,8 @@ def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
     if chunk <= 0:
         logits = F.linear(hidden.to(weight.dtype), weight)
         return F.cross_entropy(logits.float(), labels, reduction="none"), logits.detach().argmax(-1)
-    return _ChunkedHeadCE.apply(hidden, weight, labels, int(chunk))
-
-
-def _soft_ce_and_grad(logits: torch.Tensor, target_logits: torch.Tensor):
-    """(soft ce fp32, argmax, the target's argmax, d ce / d logits = softmax - p) of one chunk."""
-    lf, tf = logits.float(), target_logits.float()
-    lse = torch.logsumexp(lf, dim=-1)
-    p = torch.softmax(tf, dim=-1)
-    ce = lse - (p * lf).sum(-1)
-    grad = (lf - lse[:, None]).exp() - p
-    return ce, lf.argmax(-1), tf.argmax(-1), grad.to(logits.dtype)
-
-
-class _ChunkedHeadSoftCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, target_hidden, chunk):
-        need = ctx.needs_input_grad[0]
-        ces, tops, ys, grads = [], [], [], []
-        for i in range(0, hidden.shape[0], chunk):
-            logits = F.linear(hidden[i:i + chunk].to(weight.dtype), weight)
-            target_logits = F.linear(target_hidden[i:i + chunk].to(weight.dtype), weight)
-            ce, top, y, g = _on(logits.device, _soft_ce_and_grad)(logits, target_logits)
-            ces.append(ce)
-            tops.append(top)
-            ys.append(y)
-            grads.append(g.to(weight.dtype) @ weight if need else None)
-        ctx.save_for_backward(torch.cat(grads) if need else None)
-        ctx.hidden_dtype = hidden.dtype
-        top, y = torch.cat(tops), torch.cat(ys)
-        ctx.mark_non_differentiable(top, y)
-        return torch.cat(ces), top, y
-
-    @staticmethod
-    def backward(ctx, grad_ce, _grad_top, _grad_y):
-        (dce_dh,) = ctx.saved_tensors
-        grad = None if dce_dh is None else (dce_dh.float() * grad_ce[:, None]).to(ctx.hidden_dtype)
-        return grad, None, None, None
+    ce, top, _ = _ChunkedHeadCE.apply(hidden, weight, labels, int(chunk))
+    return ce, top
 
 
 def head_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_hidden: torch.Tensor,
@@ -136,4 +125,4 @@ def head_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_h
             target_logits = F.linear(target_hidden.to(weight.dtype), weight).float()
         ce = F.cross_entropy(logits, torch.softmax(target_logits, -1), reduction="none")
         return ce, logits.detach().argmax(-1), target_logits.argmax(-1)
-    return _ChunkedHeadSoftCE.apply(hidden, weight, target_hidden, int(chunk))
+    return _ChunkedHeadCE.apply(hidden, weight, target_hidden, int(chunk))

@@ -138,11 +138,8 @@ def scored_labels(batch: Batch, labels: torch.Tensor, bs: int, gamma: float):
     index = batch.scored_index
     if index is None:
         index = scored_mask(batch, bs).nonzero().squeeze(1)
-    n = batch.anchors.shape[1]
-    block, k = index // bs, index % bs
-    rows = block // n
-    picked = labels[rows, batch.anchors.view(-1)[block] + k]
-    return picked, decay_weights(bs, gamma, device=index.device)[k], k, index
+    k = index % bs
+    return scored_rows(batch, labels, index, bs), decay_weights(bs, gamma, device=index.device)[k], k, index
 
 
 def scored_rows(batch: Batch, values: torch.Tensor, index: torch.Tensor, bs: int) -> torch.Tensor:
