@@ -125,12 +125,11 @@ def make_run(v: dict, cfg, head, source, dist_, args) -> TrainingRun:
     from dflash_pipeline.settings import typed
 
     # the train stage's own settings (schema defaults, the options it parses), so this stays whole as they grow
-    argv = ["train", "--mode", "offline", "--inputs", "-", "--model", "-", "--out", "-", "--checkpoint-dir", "-",
+    argv = ["--mode", "offline", "--inputs", "-", "--model", "-", "--out", "-", "--checkpoint-dir", "-",
             "--num-anchors", args.anchors, "--gamma", 7.0, "--head-chunk", v["head_chunk"], "--loss-weighting",
             "decay", "--grad-clip", 1.0, "--labels", "data", "--layout", v["layout"], "--lr", 6e-4,
             "--attention", v["attention"], *(["--compile"] if v["compile"] else [])]
-    argv = [str(x) for x in argv]
-    targs = typed.for_stage("train", cli.build_parser("train", argv).parse_args(argv))
+    targs = typed.for_stage("train", cli.stage_args("train", [str(x) for x in argv]))
     steps = StepData(source, seed=0, batch_size=v["batch"], grad_accum=1, num_anchors=args.anchors, rank=0,
                      world=1, vocab_rows=cfg.vocab_size)
     torch.manual_seed(0)

@@ -264,6 +264,11 @@ def build_parser(wanted: str | None, argv: list[str]) -> argparse.ArgumentParser
     return parser
 
 
+def stage_args(stage: str, argv: list[str]) -> argparse.Namespace:
+    """A stage's options as its command line would parse them (schema defaults, then --settings, then `argv`)."""
+    return build_parser(stage, [stage, *argv]).parse_args([stage, *argv])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     wanted = next((a for a in argv if not a.startswith("-")), None)

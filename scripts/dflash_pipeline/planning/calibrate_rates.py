@@ -21,7 +21,7 @@ import os
 import shutil
 import time
 
-from dflash_pipeline import storage
+from dflash_pipeline import cli, storage
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.planning import evaluate_rates
 from dflash_pipeline.process_clock import process_age_s
@@ -79,13 +79,6 @@ def draw_samples(paths: list[str], warmup_tokens: int, measure_tokens: int, out_
     return outs[0], outs[1]
 
 
-def _stage_args(stage: str, argv: list[str]) -> argparse.Namespace:
-    """A stage's options as the CLI parses them (schema defaults, then --settings)."""
-    from dflash_pipeline import cli
-
-    return cli.build_parser(stage, [stage, *argv]).parse_args([stage, *argv])
-
-
 def measure_extract(args, warm: str, meas: str, model_age_s: float) -> tuple[dict, str]:
     """Extraction's rate and start-up per job, in the mode the run's jobs take: compile=auto decides per job by
     its tokens, which after regeneration the plan knows and this job does not, so on a GPU both modes are timed
@@ -93,7 +86,7 @@ def measure_extract(args, warm: str, meas: str, model_age_s: float) -> tuple[dic
     these source shards' jobs would take."""
     from dflash_pipeline.hidden_states import extract as ex
 
-    eargs = _stage_args("extract", ["--tokens", warm, "--model", args.model, "--out", "x", "--settings",
+    eargs = cli.stage_args("extract", ["--tokens", warm, "--model", args.model, "--out", "x", "--settings",
                                     args.extract_settings, "--encode-threads", str(args.encode_threads)])
     settings = ex.settings_from_args(eargs)
     device = ex.target.resolve_device(settings.device)
@@ -145,7 +138,7 @@ def measure_train(args, hidden: str, meas: str, process_start_s: float) -> dict:
     import pyarrow.parquet as pq
 
     W = max(1, args.train_steps)
-    targs = _stage_args("train", ["--inputs", hidden, "--model", args.model, "--out",
+    targs = cli.stage_args("train", ["--inputs", hidden, "--model", args.model, "--out",
                                   os.path.join(args.work_dir, "train"), "--checkpoint-dir",
                                   os.path.join(args.work_dir, "checkpoints"), "--settings", args.train_settings])
     if targs.mode == "online":
