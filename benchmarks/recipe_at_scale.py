@@ -37,6 +37,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tarfile
 import time
@@ -1213,4 +1214,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # the device script starts this in the background of a non-interactive shell, which leaves SIGINT ignored: its
+    # `timeout -s INT` would then stop nothing until the KILL 40 s later (2026-12-07); training has its own handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from conftest import BIN
 from dflash_pipeline.cli import main as cli_main
 from token_fixtures import write_greedy_token_shard
-from train_kill_helpers import killed_train_run
+from train_kill_helpers import killed_train_run, signalled_train_run
 
 
 def run_in_process(*args) -> int:
@@ -76,6 +76,29 @@ def test_killed_and_resumed_run_ends_with_identical_weights(tiny_target, token_s
     assert run_in_process(*_train_args(tiny_target, token_shards, killed / "out2", killed / "ckpt", lr="1e-3")) == 0
     assert json.loads((killed / "out2" / "summary.json").read_text())["resumed_from_step"] == 0
     assert len(list((killed / "ckpt").glob("stale-*/step-*.pt"))) == 2
+
+
+@pytest.mark.parametrize("signame,inherit_ignored", [("TERM", False), ("INT", True)])
+def test_a_stop_signal_ends_training_at_a_checkpoint_of_that_step(tiny_target, token_shards, tmp_path, signame,
+                                                                   inherit_ignored):
+    """SIGTERM (SLURM's time limit, a pod eviction) or SIGINT (inherited ignored, as in a background job of a
+    non-interactive shell) during step 5 of 7: the step finishes, its checkpoint is written (not only step 3's),
+    the job exits 128 + the signal without outputs, and the rerun resumes at step 5 and ends as an uninterrupted
+    run."""
+    ref = tmp_path / "ref"
+    assert run_in_process(*_train_args(tiny_target, token_shards, ref / "out", ref / "ckpt")) == 0
+    run = tmp_path / "stopped"
+    args = _train_args(tiny_target, token_shards, run / "out", run / "ckpt")
+    proc = signalled_train_run(5, signame, args, inherit_sigint_ignored=inherit_ignored)
+    signum = {"TERM": 15, "INT": 2}[signame]
+    assert proc.returncode == 128 + signum, proc.stderr[-2000:]
+    assert f"stopped by SIG{signame} after step 5, its checkpoint written" in proc.stderr
+    assert not (run / "out").exists()
+    assert "step-00000005.pt" in [p.name for p in (run / "ckpt").glob("step-*.pt")]
+    assert run_in_process(*args) == 0
+    assert json.loads((run / "out" / "summary.json").read_text())["resumed_from_step"] == 5
+    a, b = load_file(str(ref / "out" / "drafter.safetensors")), load_file(str(run / "out" / "drafter.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_offline_training_from_hidden_state_shards_matches_online(tiny_target, token_shards, tmp_path, capsys):

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 
 from dflash_pipeline import settings, storage
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.errors import PipelineError, StoppedBySignal
 
 
 @dataclass(frozen=True)
@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return int(args._run(args) or 0)
+    except StoppedBySignal as exc:  # a checkpoint was written: the exit status of a job killed by that signal
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

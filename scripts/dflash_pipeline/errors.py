@@ -1,5 +1,7 @@
 """Errors whose message is the whole story for the user: the CLI prints them without a traceback."""
 
+import signal
+
 
 class PipelineError(Exception):
     """A problem with the user's input or configuration, described by file, record and reason."""
@@ -25,3 +27,17 @@ class CorruptInputError(PipelineError):
             text = (f"{path}: {what} at {where} after {records_read} complete records: {reason}; {after}. Set "
                     f"ingest.on_corrupt: salvage to keep the {records_read} records before the damage.")
         super().__init__(text)
+
+
+class StoppedBySignal(PipelineError):
+    """A stage stopped on request (SIGTERM/SIGINT) after saving its state; the CLI exits 128 + the signal's number,
+    as a job killed by it would, so a scheduler counts the job as not done."""
+
+    def __init__(self, stage: str, signum: int, where: str):
+        self.signum = signum
+        super().__init__(f"{stage}: stopped by {signal.Signals(signum).name} {where}; rerun the same command to "
+                         "resume from it")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

@@ -45,8 +45,9 @@ from dflash_pipeline.drafter.model import DFlashDrafter, count_parameters, save_
 from dflash_pipeline.drafter.runtime import keeps_torch_threads, make_readable
 from dflash_pipeline.drafter.sources import HiddenSource, TokenSource
 from dflash_pipeline.drafter.steps import Prefetcher, StepData
+from dflash_pipeline.drafter.stop_signals import StopSignals
 from dflash_pipeline.drafter.target_head import load_target_head, resolve_mask_token_id
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.errors import PipelineError, StoppedBySignal
 from dflash_pipeline.progress import Progress
 from dflash_pipeline.settings import typed
 from dflash_pipeline.target import read_config, text_config
@@ -455,6 +456,22 @@ def train(s, job: TrainJob) -> int:
     progress = Progress("train", run.total_steps, "steps", log, start=start_step)  # elapsed and ETA
     if start_step < run.total_steps:
         prefetch.start(start_step)
+    with StopSignals() as stop:
+        train_loop(s, job, run, store, prefetch, progress, metrics, monitor, start_step, stop)
+    # outputs: the last checkpoint is on S3 (if mirrored), then rank 0 writes the drafter directory
+    store.finish()
+    if run.dist.main:
+        with named_write_errors("train", job.out, RESUME):
+            write_outputs(run, store.metrics_path, time.perf_counter() - t_start, start_step)
+    run.dist.barrier()
+    run.dist.close()
+    return 0
+
+
+def train_loop(s, job: TrainJob, run: TrainingRun, store: CheckpointStore, prefetch: Prefetcher, progress: Progress,
+               metrics: StepMetrics, monitor: AcceptanceMonitor | None, start_step: int, stop: StopSignals) -> None:
+    """The steps from start_step: data, forward/backward, logs, checkpoints; a stop signal ends it after the step
+    it arrived in, with that step's checkpoint (StoppedBySignal)."""
     for step in range(start_step, run.total_steps):
         # data: this step's micro-batches were built in the background; start on the next step's
         key, micro = prefetch.get()
@@ -475,18 +492,16 @@ def train(s, job: TrainJob) -> int:
                 rec.update(measure_acceptance(run, monitor, done))
             if run.dist.main:
                 append_record(store.metrics_path, rec, run.total_steps)
-        # checkpoint: a killed run resumes here with exactly this state
-        if done % s.checkpoint_every == 0 or done == run.total_steps:
+        # checkpoint: a killed run resumes here with exactly this state; a stop signal forces one (ranks agree at
+        # each step alone, else at the logged steps: the agreement is a collective)
+        due = done % s.checkpoint_every == 0 or done == run.total_steps
+        signum = stop.requested(run.dist) if run.dist.world == 1 or done % s.log_every == 0 or due else 0
+        if due or signum:
             with named_write_errors("train", job.checkpoint_dir, RESUME):  # a full disk: one line, the path
                 store.save(done, run.drafter, run.opt, run.sched, run.device)
-    # outputs: the last checkpoint is on S3 (if mirrored), then rank 0 writes the drafter directory
-    store.finish()
-    if run.dist.main:
-        with named_write_errors("train", job.out, RESUME):
-            write_outputs(run, store.metrics_path, time.perf_counter() - t_start, start_step)
-    run.dist.barrier()
-    run.dist.close()
-    return 0
+        if signum and done < run.total_steps:
+            store.finish()
+            raise StoppedBySignal("train", signum, f"after step {done}, its checkpoint written")
 
 
 run = keeps_torch_threads(_run)
