@@ -100,6 +100,8 @@ VARIANTS = {
     "epochs-3": {"epochs": 3.0},
     # the same recipe, all samples of a micro-batch in one row: its speed and that tau does not move
     "packed": {"layout": "packed"},
+    # SpecForge's AdamW beta2 (ours 0.95): what is left between its trainer and ours once the loss is the same
+    "adam-beta2-0.999": {"adam_beta2": 0.999},
 }
 
 
@@ -136,14 +138,22 @@ class Work:
         return read_json(self.progress_path, {}) or {}
 
     def update(self, **kv) -> dict:
-        """Merge kv into progress.json (nested dicts merged, not replaced)."""
+        """Merge kv into progress.json (nested dicts merged, not replaced); runs trained side by side (--parallel)
+        update it from several processes, so the read-merge-write holds a lock and the file is replaced whole."""
+        import fcntl
+
         def merge(base: dict, new: dict) -> dict:
             for k, v in new.items():
                 base[k] = merge(dict(base.get(k) or {}), v) if isinstance(v, dict) else v
             return base
 
-        p = merge(self.progress(), kv)
-        write_json(self.progress_path, p)
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / "progress.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            p = merge(self.progress(), kv)
+            tmp = self.progress_path.with_name(f".progress.{os.getpid()}.json")
+            write_json(tmp, p)
+            tmp.replace(self.progress_path)
         return p
 
 
@@ -664,7 +674,7 @@ def run_spec(run: str) -> tuple[dict, bool]:
         raise SystemExit(f"unknown run {run!r}: VARIANT[+VARIANT][@sub|@peer] with VARIANT one of "
                          f"{', '.join(VARIANTS)}")
     s = {k: SCALE[k] for k in ("num_layers", "num_anchors", "batch_size", "epochs", "lr", "gamma", "layout")}
-    s.update(loss_weighting="decay", labels="data")
+    s.update(loss_weighting="decay", labels="data", adam_beta2=0.95)
     for p in parts:
         s.update(VARIANTS[p])
     return s, data or "all"
@@ -691,6 +701,8 @@ def stage_train(a) -> None:
     w = Work(a.work)
     gpu = a.device == "cuda"
     stage_tokens(a)  # a cold machine rebuilds the token shards from the regen files first (same bytes)
+    if a.parallel > 1:
+        return train_side_by_side(a, w)
     for run in a.runs.split(","):
         st = (w.progress().get("runs") or {}).get(run) or {}
         if st.get("exported"):
@@ -714,11 +726,59 @@ def stage_train(a) -> None:
             stage_evaluate(a)
 
 
+def train_side_by_side(a, w: Work) -> None:
+    """--parallel N: up to N runs of --runs at once on the one GPU, each in its own process (`train --runs RUN`,
+    its log under <work>/logs). A drafter of this size keeps an H100 busy a few percent of the time (MFU ~5%), so
+    runs side by side finish sooner together; their tokens/s are then shares of the GPU, and their results say
+    so (`side_by_side`). Each finished run is evaluated here while the others train. A SIGINT (the call's budget)
+    reaches every process of the group: each run stops after its step with that step's checkpoint, and this
+    waits for them before it stops."""
+    import subprocess
+
+    todo = [r for r in a.runs.split(",") if not ((w.progress().get("runs") or {}).get(r) or {}).get("exported")]
+    (w.root / "logs").mkdir(parents=True, exist_ok=True)
+    base = [sys.executable, str(Path(__file__).resolve()), "train", "--work", str(w.root), "--kit", a.kit,
+            "--out", a.out, "--device", a.device, *(["--tiny"] if a.tiny else []),
+            *(["--target-dir", a.target_dir] if a.target_dir else [])]
+    running: dict[str, subprocess.Popen] = {}
+    failed = []
+    try:
+        while todo or running:
+            while todo and len(running) < a.parallel:
+                run = todo.pop(0)
+                log(f"train {run}: started beside {len(running)} other run(s), log logs/train-{run}.log")
+                with open(w.root / "logs" / f"train-{run}.log", "ab") as fh:
+                    running[run] = subprocess.Popen([*base, "--runs", run], stdout=fh, stderr=subprocess.STDOUT)
+            time.sleep(1)
+            for run, proc in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[run]
+                if proc.returncode:
+                    failed.append(run)
+                    log(f"train {run}: exit {proc.returncode}, see logs/train-{run}.log")
+                    continue
+                res = w.results / f"train-{run}.json"
+                write_json(res, dict(read_json(res, {}) or {}, side_by_side=a.parallel))
+                if "evaluate" in a.stages:
+                    stage_evaluate(a)
+    except KeyboardInterrupt:
+        for proc in running.values():  # they got the SIGINT too: let each write its checkpoint
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        raise
+    if failed:
+        raise SystemExit(f"train: runs failed: {', '.join(failed)}")
+
+
 def train_command(w: Work, s: dict, inputs: list[Path], d: Path, device: str) -> list:
     """The train command of a run's settings `s` into directory `d`, up to its schedule (the caller's flags)."""
     return ["train", "--mode", "online", "--inputs", *inputs, "--model", target_dir(w), "--out", d / "drafter",
             "--checkpoint-dir", d / "ckpt", "--num-layers", s["num_layers"], "--num-anchors", s["num_anchors"],
             "--gamma", s["gamma"], "--loss-weighting", s["loss_weighting"], "--labels", s["labels"],
+            "--adam-beta2", s.get("adam_beta2", 0.95),
             "--max-length", SCALE["context"], "--layout", s["layout"], "--seed", 0,
             "--holdout-fraction", SCALE["holdout_fraction"], "--device", device,
             *(["--cpu-threads", 1] if device == "cpu" else [])]
@@ -1145,7 +1205,9 @@ def stage_table(a) -> None:
     for name, e in evals.items():
         t = read_json(w.results / f"train-{name}.json", {}) or {}
         tps = t.get("median_tokens_per_s")
-        rows.append([name, (runs.get(name) or {}).get("data", "-"), t.get("steps", "-"), f"{tps:,.0f}" if tps else "-"]
+        share = f" ({t['side_by_side']} share a GPU)" if t.get("side_by_side") else ""
+        rows.append([name, (runs.get(name) or {}).get("data", "-"), t.get("steps", "-"),
+                     f"{tps:,.0f}{share}" if tps else "-"]
                     + [f"{e['greedy'][c]['tau']:.2f}/{e['T0.7'][c]['tau']:.2f}" for c in cats]
                     + [f"{e['greedy']['pooled']['tau']:.3f}", f"{e['T0.7']['pooled']['tau']:.3f}",
                        "yes" if e["lossless_failures"] == 0 else f"NO ({e['lossless_failures']})"])
@@ -1186,6 +1248,8 @@ def parse_args(argv=None):
                     help="generate: KV columns per slot (2048: every turn's context fits a slot; 0: the engine's "
                          "1,024 + its wide pool for longer prompts). 512 x 2048 x 30 layers: ~24 GB bf16")
     ap.add_argument("--runs", default="paper", help="train: VARIANT[@sub|@peer],... (" + ", ".join(VARIANTS) + ")")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="train: runs trained at once on the one GPU, each its own process (tokens/s then shared)")
     ap.add_argument("--peer", choices=["specforge", "speculators"], default="speculators",
                     help="peer-data / peer-train / peer-clean: which peer")
     ap.add_argument("--peer-shards", type=int, default=0,

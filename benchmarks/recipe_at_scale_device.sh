@@ -37,7 +37,7 @@ if [ ! -f "$SITE/.installed-whl" ]; then
 fi
 export PYTHONPATH=$SITE:$REPO/scripts:$REPO/benchmarks PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-df -h "$W" | tail -1
+df -h "$W" /dev/shm | tail -n +2  # the disk for the peers' files, and memory-backed room beside it
 # shellcheck disable=SC2086  # COMMON and STAGES are word lists
 ras() { python3 "$REPO/benchmarks/recipe_at_scale.py" "$@" --work "$W" --kit "$KIT" $COMMON; }
 ras gather --out "$W/out" --in "$(dirname "$KIT")"/in-* || exit 5  # the payload folders `carry` wrote

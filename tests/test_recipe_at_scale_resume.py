@@ -232,6 +232,30 @@ def test_one_peers_files_at_a_time_from_ours_samples(runs, tiny_target):
     assert ras.ours_for_peers(capped) == "paper@peer" and ras.ours_for_peers(plan) == "paper@sub"
 
 
+def test_runs_side_by_side_equal_runs_one_after_another(runs, tiny_target):
+    """--parallel 2: two runs trained at once, each in its own process, end with the weights they get one after
+    the other; both are recorded as exported (progress.json written by both processes under a lock) and their
+    results say that they shared the device."""
+    import torch
+    from safetensors.torch import load_file
+
+    root = runs["root"]
+    pair = "batch-4@sub,no-weighting@sub"
+    works = {}
+    for name, extra in (("seq", ()), ("par", ("--parallel", "2"))):
+        w = works[name] = ras.Work(root / f"side-{name}")
+        shutil.copytree(root / "a", w.root, symlinks=True)
+        ras.main(["train", "--tiny", "--device", "cpu", "--work", str(w.root), "--out", str(root / f"side-{name}-out"),
+                  "--kit", str(root / "kit"), "--target-dir", str(tiny_target), "--runs", pair, *extra])
+    for run in pair.split(","):
+        ws, wp = (load_file(str(works[k].train / run / "drafter" / "drafter.safetensors")) for k in ("seq", "par"))
+        assert ws.keys() == wp.keys() and all(torch.equal(ws[k], wp[k]) for k in ws), run
+        assert works["par"].progress()["runs"][run]["exported"] is True
+        assert json.loads((works["par"].results / f"train-{run}.json").read_text())["side_by_side"] == 2
+        assert "side_by_side" not in json.loads((works["seq"].results / f"train-{run}.json").read_text())
+        assert (works["par"].root / "logs" / f"train-{run}.log").stat().st_size > 0
+
+
 def test_carry_plans_calls_within_the_limit(tmp_path, monkeypatch):
     """`carry --cold --peers`: call 1 takes the kit's data and wheels and what else fits, the GGUF parts and the
     bundle go in order into the next calls, the peers' wheels into the first call with room; every call stays
@@ -267,6 +291,10 @@ def test_run_names_combine_variants_left_to_right():
     assert ras.run_spec("lr-1.2e-3+lr-2.4e-3@peer")[0]["lr"] == 2.4e-3
     # the layout is part of a run's settings: padded as the first runs trained, `packed` the layout's own variant
     assert ras.run_spec("paper@sub")[0]["layout"] == "padded" and ras.run_spec("packed@sub")[0]["layout"] == "packed"
+    # SpecForge's AdamW beta2 reaches the train command; every other run passes the package default, 0.95
+    for run, beta2 in (("batch-4+adam-beta2-0.999@sub", 0.999), ("paper", 0.95)):
+        cmd = [str(x) for x in ras.train_command(ras.Work("/w"), ras.run_spec(run)[0], [], Path("/d"), "cpu")]
+        assert cmd[cmd.index("--adam-beta2") + 1] == str(beta2)
     for bad in ("batch-4+nope", "paper@half", "+paper"):
         with pytest.raises(SystemExit, match="unknown run"):
             ras.run_spec(bad)
