@@ -102,6 +102,10 @@ VARIANTS = {
     "packed": {"layout": "packed"},
     # SpecForge's AdamW beta2 (ours 0.95): what is left between its trainer and ours once the loss is the same
     "adam-beta2-0.999": {"adam_beta2": 0.999},
+    # the drafter's layers start as the target's last / first layers, not random: neither peer does this, and at
+    # equal data a better start is what could put ours ahead (the loss is the same in all three)
+    "init-last": {"layer_init": "target-last"},
+    "init-first": {"layer_init": "target-first"},
 }
 
 
@@ -674,7 +678,7 @@ def run_spec(run: str) -> tuple[dict, bool]:
         raise SystemExit(f"unknown run {run!r}: VARIANT[+VARIANT][@sub|@peer] with VARIANT one of "
                          f"{', '.join(VARIANTS)}")
     s = {k: SCALE[k] for k in ("num_layers", "num_anchors", "batch_size", "epochs", "lr", "gamma", "layout")}
-    s.update(loss_weighting="decay", labels="data", adam_beta2=0.95)
+    s.update(loss_weighting="decay", labels="data", adam_beta2=0.95, layer_init="random")
     for p in parts:
         s.update(VARIANTS[p])
     return s, data or "all"
@@ -778,7 +782,7 @@ def train_command(w: Work, s: dict, inputs: list[Path], d: Path, device: str) ->
     return ["train", "--mode", "online", "--inputs", *inputs, "--model", target_dir(w), "--out", d / "drafter",
             "--checkpoint-dir", d / "ckpt", "--num-layers", s["num_layers"], "--num-anchors", s["num_anchors"],
             "--gamma", s["gamma"], "--loss-weighting", s["loss_weighting"], "--labels", s["labels"],
-            "--adam-beta2", s.get("adam_beta2", 0.95),
+            "--adam-beta2", s.get("adam_beta2", 0.95), "--layer-init", s.get("layer_init", "random"),
             "--max-length", SCALE["context"], "--layout", s["layout"], "--seed", 0,
             "--holdout-fraction", SCALE["holdout_fraction"], "--device", device,
             *(["--cpu-threads", 1] if device == "cpu" else [])]

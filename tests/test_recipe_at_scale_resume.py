@@ -295,6 +295,8 @@ def test_run_names_combine_variants_left_to_right():
     for run, beta2 in (("batch-4+adam-beta2-0.999@sub", 0.999), ("paper", 0.95)):
         cmd = [str(x) for x in ras.train_command(ras.Work("/w"), ras.run_spec(run)[0], [], Path("/d"), "cpu")]
         assert cmd[cmd.index("--adam-beta2") + 1] == str(beta2)
+    cmd = ras.train_command(ras.Work("/w"), ras.run_spec("batch-4+init-last@sub")[0], [], Path("/d"), "cpu")
+    assert cmd[cmd.index("--layer-init") + 1] == "target-last"
     for bad in ("batch-4+nope", "paper@half", "+paper"):
         with pytest.raises(SystemExit, match="unknown run"):
             ras.run_spec(bad)

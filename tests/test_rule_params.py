@@ -102,3 +102,13 @@ def test_max_turns_is_a_generate_param_only_when_it_cuts():
     assert "max_turns" not in base and "max_turns" not in first
     assert json.loads(capped.generate())["max_turns"] == 3
     accepts("generate", capped.generate(), capped.generate_runtime())
+
+
+def test_layer_init_is_a_train_param_only_when_set():
+    """`train.layer_init` (added after runs existed): at its default the train params stay as they were, so an
+    upgrade retrains nothing; set, it reaches the train stage."""
+    base = json.loads(RuleParams(config("config.yaml"), "results").train())
+    init = RuleParams(config("config.yaml", train={"layer_init": "target-last"}), "results")
+    assert "layer_init" not in base
+    assert json.loads(init.train())["layer_init"] == "target-last"
+    accepts("train", init.train())

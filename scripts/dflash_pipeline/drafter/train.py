@@ -39,6 +39,7 @@ from dflash_pipeline.drafter.distributed import Dist
 from dflash_pipeline.drafter.features import LABELS, packed_target_features, target_features, target_outputs
 from dflash_pipeline.drafter.flops import batch_counts, peak_basis, step_flops
 from dflash_pipeline.drafter.heldout import AcceptanceMonitor
+from dflash_pipeline.drafter.layer_init import LAYER_INITS, init_from_target
 from dflash_pipeline.drafter.loss import WEIGHTINGS, block_loss
 from dflash_pipeline.drafter.metrics import StepMetrics, append_record, plot_metrics, read_records, summarize
 from dflash_pipeline.drafter.model import DFlashDrafter, count_parameters, save_drafter
@@ -93,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="data: the sequence's own next tokens (the recipe); target (online only): the target's "
                         "greedy prediction at each position, for data that is not the target's own output; "
                         "distill (online only): the target's whole next-token distribution (soft CE)")
+    p.add_argument("--layer-init", choices=list(LAYER_INITS),
+                   help="random (the paper) or target-first / target-last: the drafter's layers start as the "
+                        "target's first / last N decoder layers")
     p.add_argument("--holdout-fraction", type=float, help="sample ids kept for evaluation")
     p.add_argument("--acceptance-every", type=int,
                    help="every N steps (and at the end) the simulated acceptance on held-out samples (0: never)")
@@ -134,7 +138,9 @@ def recipe_settings(s) -> dict:
     """The recipe choices beyond the paper's (benchmarks/recipe_variants.json measures them)."""
     return {"loss_weighting": s.loss_weighting, "dpace_alpha": s.dpace_alpha,
             "adam_betas": [s.adam_beta1, s.adam_beta2], "warmup_ratio": s.warmup_ratio,
-            "weight_decay": s.weight_decay}
+            "weight_decay": s.weight_decay,
+            # only when set: the checkpoints of runs from before the setting existed keep their fingerprint
+            **({"layer_init": s.layer_init} if s.layer_init != "random" else {})}
 
 
 def run_fingerprint(s, dcfg: DrafterConfig, total_steps: int, global_batch: int, source) -> dict:
@@ -288,7 +294,9 @@ def setup_run(s, job: TrainJob) -> TrainingRun:
         raise PipelineError(f"{len(source)} samples are fewer than one global batch of {steps.global_batch}")
     total_steps = s.max_steps or max(1, int(round(s.epochs * steps.steps_per_epoch)))
     torch.manual_seed(s.seed)
-    drafter = DFlashDrafter(dcfg).to(dev)
+    drafter = DFlashDrafter(dcfg)
+    init_from_target(drafter, job.model, s.layer_init, int(text_config(read_config(job.model))["num_hidden_layers"]))
+    drafter = drafter.to(dev)
     opt = torch.optim.AdamW(drafter.parameters(), lr=s.lr, weight_decay=s.weight_decay,
                             betas=(s.adam_beta1, s.adam_beta2), fused=dev.type == "cuda" or None)
     warmup = int(math.ceil(s.warmup_ratio * total_steps))

@@ -173,7 +173,10 @@ class RuleParams:
         drafter = {k: d[k] for k in ("num_layers", "block_size", "mask_token_id", "target_layer_ids")
                    if d.get(k) is not None}
         mirror = self._mirror(self.config["train"].get("checkpoint_mirror"), "train/checkpoints")
-        return self.stage("train", drop=("checkpoint_mirror",), **drafter, checkpoint_mirror=mirror,
+        # layer_init only when set: the params of configs without it stay as they were (no retraining on upgrade)
+        default_init = self.config["train"].get("layer_init") == settings.default("train.layer_init")
+        unset = ("layer_init",) if default_init else ()
+        return self.stage("train", drop=("checkpoint_mirror", *unset), **drafter, checkpoint_mirror=mirror,
                           holdout_fraction=self.config["evaluate"]["holdout_fraction"], **self.trust)
 
     def rates(self) -> str:
