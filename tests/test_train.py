@@ -101,6 +101,25 @@ def test_a_stop_signal_ends_training_at_a_checkpoint_of_that_step(tiny_target, t
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_signal_delivered_twice_is_one_request_and_a_later_second_one_aborts():
+    """SLURM signals every process of the step while torchrun forwards the same signal to its workers: a second
+    delivery within DUPLICATE_S keeps the pending checkpoint; one after that aborts (Ctrl-C twice); on exit the
+    previous handlers are back."""
+    import signal as sig
+
+    from dflash_pipeline.drafter.stop_signals import DUPLICATE_S, StopSignals
+
+    before = sig.getsignal(sig.SIGTERM)
+    with StopSignals() as stop:
+        os.kill(os.getpid(), sig.SIGTERM)
+        os.kill(os.getpid(), sig.SIGTERM)  # the same request, twice
+        assert stop.signum == sig.SIGTERM
+        stop._first -= DUPLICATE_S  # noqa: SLF001 - as if the first came DUPLICATE_S ago
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), sig.SIGINT)
+    assert sig.getsignal(sig.SIGTERM) is before
+
+
 def test_offline_training_from_hidden_state_shards_matches_online(tiny_target, token_shards, tmp_path, capsys):
     """Features stored by the shard writer (fp32) give the same first-step loss as on-the-fly features."""
     import pyarrow.parquet as pq

@@ -5,7 +5,9 @@ Ctrl-C or a time-limited caller (`timeout -s INT`). Without this, SIGTERM kills 
 every step since the last periodic checkpoint. The handlers are installed explicitly: a job that a
 non-interactive shell starts in the background inherits SIGINT *ignored*, and Python then never raises
 KeyboardInterrupt (on the H100 on 2026-12-07 a training run stepped on for 40 s after its SIGINT, until KILL).
-A second signal while the first is pending raises KeyboardInterrupt at once (the caller really wants out).
+A second signal while the first is pending raises KeyboardInterrupt at once (the caller really wants out), unless
+it comes within DUPLICATE_S of the first: a launcher that forwards the signal to its workers (torchrun) while the
+scheduler signals the whole process tree (SLURM) delivers one request twice, and that must not cost the checkpoint.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 
 
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DUPLICATE_S = 3.0  # a second signal this soon after the first is the same request, delivered twice
 
 
 class StopSignals:
@@ -26,12 +30,15 @@ class StopSignals:
 
     def __init__(self):
         self.signum = 0
+        self._first = 0.0
         self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
         if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
+            if time.monotonic() - self._first >= DUPLICATE_S:
+                raise KeyboardInterrupt
+            return
+        self.signum, self._first = signum, time.monotonic()
         log.warning("%s received: training stops after this step, with a checkpoint", signal.Signals(signum).name)
 
     def __enter__(self) -> "StopSignals":
