@@ -958,6 +958,12 @@ def peer_layout(w: Work, device: str) -> Path:
     return p
 
 
+# each peer's folders under peers/ (real_target_side_by_side.py's stages write them): its offline files, its
+# trainer's output, its drafter converted for our evaluator, and scratch files
+PEER_DIRS = {"specforge": {"data": "peer_sf", "out": "sf_out", "export": "sf_export", "scratch": ("sf_draft",)},
+             "speculators": {"data": "peer_spec", "out": "spec_out", "export": "spec_export", "scratch": ()}}
+
+
 def stage_peer_data(a) -> None:
     """One peer's offline files (--peer), from the same samples our run trained on (ours_for_peers): SpecForge
     sample_*.ckpt {input_ids, loss_mask, hidden_states [T, n*H]} or speculators' datasets dir + hs_{i}.safetensors
@@ -971,8 +977,8 @@ def stage_peer_data(a) -> None:
 
     w = Work(a.work)
     p = peer_layout(w, a.device)
-    dest = p / {"specforge": "peer_sf", "speculators": "peer_spec"}[a.peer]
-    other = p / {"specforge": "peer_spec", "speculators": "peer_sf"}[a.peer]
+    dest = p / PEER_DIRS[a.peer]["data"]
+    other = p / next(d["data"] for peer, d in PEER_DIRS.items() if peer != a.peer)
     if (dest / "manifest.json").exists():
         return
     if other.exists():
@@ -1024,12 +1030,12 @@ def stage_peer_train(a) -> None:
     import real_target_side_by_side as sbs
 
     w = Work(a.work)
-    name = {"specforge": "sf_export", "speculators": "spec_export"}[a.peer]
+    name = PEER_DIRS[a.peer]["export"]
     run_name = peer_run_name(a, w)
     if (w.drafters / run_name / "config.json").exists():
         return
     p = peer_layout(w, a.device)
-    for d in (name, "sf_out" if a.peer == "specforge" else "spec_out"):  # another batch's run of this peer
+    for d in (name, PEER_DIRS[a.peer]["out"]):  # another batch's run of this peer
         shutil.rmtree(p / d, ignore_errors=True)
     t = time.perf_counter()
     batch = a.specforge_batch or ours_batch(w)
@@ -1051,7 +1057,7 @@ def stage_peer_train(a) -> None:
 def stage_peer_clean(a) -> None:
     """The peer's files and training outputs off the disk (its exported drafter stays)."""
     w = Work(a.work)
-    for d in {"specforge": ("peer_sf", "sf_out", "sf_draft"), "speculators": ("peer_spec", "spec_out")}[a.peer]:
+    for d in (PEER_DIRS[a.peer]["data"], PEER_DIRS[a.peer]["out"], *PEER_DIRS[a.peer]["scratch"]):
         shutil.rmtree(w.peers / d, ignore_errors=True)
     log(f"peer-clean {a.peer}: {shutil.disk_usage(w.root).free / 1e9:.1f} GB free")
 
