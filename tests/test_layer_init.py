@@ -35,7 +35,7 @@ def target_tensors(target) -> dict[str, torch.Tensor]:
 def test_drafter_layers_start_as_the_targets_layers(tiny_target, kind):
     drafter, n_target = drafter_for(tiny_target, 2)
     fresh = {k: v.clone() for k, v in drafter.state_dict().items()}
-    info = init_from_target(drafter, tiny_target, kind, n_target)
+    info = init_from_target(drafter, tiny_target, kind)
     src = [0, 1] if kind == "target-first" else [n_target - 2, n_target - 1]
     assert info["source_layers"] == src and info["kept"] == []  # a Qwen3 target has every tensor, q/k norms too
     t, d = target_tensors(tiny_target), drafter.state_dict()
@@ -58,7 +58,7 @@ def test_what_a_llama_target_lacks_stays_fresh_and_a_moe_target_is_refused(tiny_
     shutil.copytree(tiny_target, llama)
     save_file({k: v for k, v in t.items() if "q_norm" not in k and "k_norm" not in k}, str(llama / "model.safetensors"))
     drafter, n_target = drafter_for(llama, 2)
-    info = init_from_target(drafter, llama, "target-last", n_target)
+    info = init_from_target(drafter, llama, "target-last")
     assert info["kept"] == ["self_attn.k_norm.weight", "self_attn.q_norm.weight"]
     assert torch.equal(drafter.state_dict()["layers.0.self_attn.q_norm.weight"],
                        torch.ones_like(drafter.state_dict()["layers.0.self_attn.q_norm.weight"]))
@@ -66,9 +66,9 @@ def test_what_a_llama_target_lacks_stays_fresh_and_a_moe_target_is_refused(tiny_
     shutil.copytree(tiny_target, moe)
     save_file({k: v for k, v in t.items() if ".mlp.gate_proj." not in k}, str(moe / "model.safetensors"))
     with pytest.raises(PipelineError, match=r"has no mlp.gate_proj.weight for layer 0 .*layer_init: random"):
-        init_from_target(drafter_for(moe, 2)[0], moe, "target-first", n_target)
+        init_from_target(drafter_for(moe, 2)[0], moe, "target-first")
     with pytest.raises(PipelineError, match=f"{n_target + 1} drafter layers but the target has {n_target}"):
-        init_from_target(drafter_for(tiny_target, n_target + 1)[0], tiny_target, "target-first", n_target)
+        init_from_target(drafter_for(tiny_target, n_target + 1)[0], tiny_target, "target-first")
 
 
 def test_a_run_with_layer_init_trains_and_does_not_resume_a_random_init_checkpoint(tiny_target, tmp_path, caplog):

@@ -22,6 +22,7 @@ from torch import nn
 
 from dflash_pipeline.drafter.target_head import safetensor_files
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.target import read_config, text_config
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def _tensor_names(files: dict[str, Path], layer: int) -> dict[str, str]:
     return out
 
 
-def init_from_target(drafter: nn.Module, model_dir: str | Path, kind: str, n_target: int) -> dict:
+def init_from_target(drafter: nn.Module, model_dir: str | Path, kind: str) -> dict:
     """Copy the target's layers into `drafter` (in place) for `kind` in LAYER_INITS; returns what was copied."""
     if kind == "random":
         return {}
@@ -61,6 +62,7 @@ def init_from_target(drafter: nn.Module, model_dir: str | Path, kind: str, n_tar
 
     model_dir = Path(model_dir)
     files = safetensor_files(model_dir)
+    n_target = int(text_config(read_config(model_dir))["num_hidden_layers"])
     sources = source_layers(kind, len(drafter.layers), n_target)
     params = dict(drafter.named_parameters())
     copied, kept = [], set()

@@ -295,7 +295,7 @@ def setup_run(s, job: TrainJob) -> TrainingRun:
     total_steps = s.max_steps or max(1, int(round(s.epochs * steps.steps_per_epoch)))
     torch.manual_seed(s.seed)
     drafter = DFlashDrafter(dcfg)
-    init_from_target(drafter, job.model, s.layer_init, int(text_config(read_config(job.model))["num_hidden_layers"]))
+    init_from_target(drafter, job.model, s.layer_init)
     drafter = drafter.to(dev)
     opt = torch.optim.AdamW(drafter.parameters(), lr=s.lr, weight_decay=s.weight_decay,
                             betas=(s.adam_beta1, s.adam_beta2), fused=dev.type == "cuda" or None)
