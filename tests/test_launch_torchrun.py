@@ -76,6 +76,32 @@ def test_real_two_worker_rendezvous(tmp_path):
     assert [r["local_rank"] for r in results] == [0, 1]
 
 
+def test_a_stop_signal_to_the_launcher_reaches_the_command_and_its_exit_status_is_the_jobs(tmp_path):
+    """SIGTERM to the launcher alone (not its process group): the command gets it, finishes what it does on it, and
+    the launcher exits with the command's status, not killed before it."""
+    import signal
+    import subprocess
+    import time
+
+    ready = tmp_path / "ready"
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), sys.exit(43)))\n"
+        f"pathlib.Path({str(ready)!r}).write_text('1')\n"
+        "time.sleep(60)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.Popen([str(BIN / "dflash-pipeline"), "launch-torchrun", "--nproc-per-node", "1", "--",
+                             str(BIN / "python"), str(script)], env=env, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ready.exists()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 43
+
+
 def test_train_resources_one_and_many_nodes():
     from dflash_pipeline.cluster.launch_torchrun import train_resources
 

@@ -191,4 +191,26 @@ def run(args) -> int:
     log.info("launch: %s", line)
     sys.stdout.flush()
     sys.stderr.flush()
-    return subprocess.call(cmd)
+    return run_forwarding_stop_signals(cmd)
+
+
+def run_forwarding_stop_signals(cmd: list[str]) -> int:
+    """Run `cmd` and return its exit status; a SIGTERM/SIGINT sent to this launcher is passed on and the launcher
+    waits, so the training stage can write its checkpoint and its exit status (143/130) becomes the job's. A
+    signal the command also got directly (SLURM signals the whole step) arrives twice within seconds: the stage
+    takes that as one request (drafter/stop_signals.py)."""
+    import contextlib
+    import signal
+
+    proc = subprocess.Popen(cmd)
+
+    def forward(signum, frame):
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
