@@ -145,6 +145,8 @@ def test_step_flops_equal_a_hand_count():
     # context: 6 tokens x (fc 2*16*8 fwd + the same for its weight gradient = 512, k/v 3 x 2*8*8 = 384) = 5376
     # head: 5 scored x (2*8*10 forward + 2*8*10 input gradient) = 1600
     assert step_flops(cfg, StepCounts(8, 48, 6, scored=5)) == 32256 + 5376 + 1600
+    # soft labels (distill): the head's forward on the target's hidden state too, 5 x 2*8*10 more
+    assert step_flops(cfg, StepCounts(8, 48, 6, scored=5), soft_labels=True) == 32256 + 5376 + 1600 + 800
 
 
 def test_the_peak_mfu_is_set_against_is_named():

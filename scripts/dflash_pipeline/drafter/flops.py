@@ -10,7 +10,8 @@ Counted (matmuls and attention only; norms, RoPE, softmax and the optimizer are 
   2*(n*H)*H forward + the same for its weight gradient (the features need no gradient), and its k/v
   projection in every layer 2*H*2*Hkv*D, times 3;
 - every scored position (a block position k >= 1 whose label is supervised and inside the sample): the
-  frozen LM head's forward 2*H*V and its input gradient 2*H*V (no weight gradient: the head is frozen).
+  frozen LM head's forward 2*H*V and its input gradient 2*H*V (no weight gradient: the head is frozen); with
+  `labels: distill` one more forward 2*H*V, the target's distribution from its own hidden state.
 At the SmolLM2-135M drafter shape (5 layers, H 576, 9/3 heads of 64, I 1536, V 49,152) that is 106.2 MFLOP
 per computed block position, 34.6 KFLOP per attended key, 113.2 MFLOP per scored position and 13.3 MFLOP
 per context token: ~230 MFLOP per trained position at ~200 context keys.
@@ -53,15 +54,17 @@ def batch_counts(batch, block_size: int) -> StepCounts:
     return StepCounts(int(valid.sum()) * block_size, int(seen.sum()) * block_size, int(batch.lengths.sum()), scored)
 
 
-def step_flops(cfg, counts: StepCounts) -> float:
-    """Model FLOPs (forward + backward) of a step with these counts, for a drafter config (see the docstring)."""
+def step_flops(cfg, counts: StepCounts, soft_labels: bool = False) -> float:
+    """Model FLOPs (forward + backward) of a step with these counts, for a drafter config (see the docstring);
+    `soft_labels` (`labels: distill`): the head also runs forward on the target's hidden state at every scored
+    position (its distribution, no gradient)."""
     h, i, v, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
     q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     per_position = 2 * h * (2 * q_dim + 2 * kv_dim) + 2 * 3 * h * i
     layers = 3 * n_layers * (counts.positions * per_position + 4 * q_dim * counts.attended)
     fc = 2 * 2 * len(cfg.target_layer_ids) * h * h
     context = counts.context * (fc + 3 * n_layers * 2 * h * 2 * kv_dim)
-    head = counts.scored * 2 * 2 * h * v
+    head = counts.scored * (3 if soft_labels else 2) * 2 * h * v
     return float(layers + context + head)
 
 

@@ -401,7 +401,7 @@ def train_step(run: TrainingRun, micro, metrics: StepMetrics) -> torch.Tensor:
                              head_chunk=run.settings.head_chunk, weighting=run.settings.loss_weighting,
                              dpace_alpha=run.settings.dpace_alpha, soft=soft)
             (out.loss / len(micro)).backward()
-        metrics.add(out, counts.context, counts.positions, step_flops(run.dcfg, counts))
+        metrics.add(out, counts.context, counts.positions, step_flops(run.dcfg, counts, soft_labels=soft is not None))
     if run.settings.grad_clip > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), run.settings.grad_clip)
     else:
