@@ -1288,7 +1288,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # the device script starts this in the background of a non-interactive shell, which leaves SIGINT ignored: its
-    # `timeout -s INT` would then stop nothing until the KILL 40 s later (2026-12-07); training has its own handler
+    # started in the background of a non-interactive shell, this inherits SIGINT ignored, and the device script's
+    # `timeout -s INT` stops nothing until the KILL 40 s later (most likely what happened on 2026-12-07); training
+    # has its own handler
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())

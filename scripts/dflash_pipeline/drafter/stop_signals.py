@@ -4,7 +4,8 @@ SIGTERM is how SLURM (at the time limit, on preemption) and Kubernetes (pod evic
 Ctrl-C or a time-limited caller (`timeout -s INT`). Without this, SIGTERM kills the process and the rerun redoes
 every step since the last periodic checkpoint. The handlers are installed explicitly: a job that a
 non-interactive shell starts in the background inherits SIGINT *ignored*, and Python then never raises
-KeyboardInterrupt (on the H100 on 2026-12-07 a training run stepped on for 40 s after its SIGINT, until KILL).
+KeyboardInterrupt (on the H100 on 2026-12-07 a training run stepped on for 40 s after its SIGINT, until KILL,
+most likely for that reason).
 A second signal while the first is pending raises KeyboardInterrupt at once (the caller really wants out), unless
 it comes within DUPLICATE_S of the first: a launcher that forwards the signal to its workers (torchrun) while the
 scheduler signals the whole process tree (SLURM) delivers one request twice, and that must not cost the checkpoint.
