@@ -146,6 +146,8 @@ class Work:
         update it from several processes, so the read-merge-write holds a lock and the file is replaced whole."""
         import fcntl
 
+        from dflash_pipeline import storage
+
         def merge(base: dict, new: dict) -> dict:
             for k, v in new.items():
                 base[k] = merge(dict(base.get(k) or {}), v) if isinstance(v, dict) else v
@@ -155,9 +157,8 @@ class Work:
         with open(self.root / "progress.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             p = merge(self.progress(), kv)
-            tmp = self.progress_path.with_name(f".progress.{os.getpid()}.json")
-            write_json(tmp, p)
-            tmp.replace(self.progress_path)
+            with storage.atomic_path(self.progress_path) as tmp:
+                write_json(tmp, p)
         return p
 
 
@@ -782,7 +783,7 @@ def train_command(w: Work, s: dict, inputs: list[Path], d: Path, device: str) ->
     return ["train", "--mode", "online", "--inputs", *inputs, "--model", target_dir(w), "--out", d / "drafter",
             "--checkpoint-dir", d / "ckpt", "--num-layers", s["num_layers"], "--num-anchors", s["num_anchors"],
             "--gamma", s["gamma"], "--loss-weighting", s["loss_weighting"], "--labels", s["labels"],
-            "--adam-beta2", s.get("adam_beta2", 0.95), "--layer-init", s.get("layer_init", "random"),
+            "--adam-beta2", s["adam_beta2"], "--layer-init", s["layer_init"],
             "--max-length", SCALE["context"], "--layout", s["layout"], "--seed", 0,
             "--holdout-fraction", SCALE["holdout_fraction"], "--device", device,
             *(["--cpu-threads", 1] if device == "cpu" else [])]

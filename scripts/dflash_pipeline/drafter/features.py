@@ -87,7 +87,7 @@ def packed_target_features(target, batch, layer_ids, labels: str = "data", pad_m
     packed = feats.new_zeros(t + 1, feats.shape[-1]).index_copy_(0, dest, feats.reshape(-1, feats.shape[-1]))
     if pred is None:
         return packed[None, :t], None
-    if pred.dim() == 3:  # distill: hidden states, copied like the features
+    if labels == "distill":  # hidden states, copied like the features
         hidden = pred.new_zeros(t + 1, pred.shape[-1]).index_copy_(0, dest, pred.reshape(-1, pred.shape[-1]))
         return packed[None, :t], hidden[None, :t]
     tokens = torch.cat([batch.input_ids[0], batch.input_ids.new_zeros(1)]).index_copy_(0, dest, pred.reshape(-1))

@@ -87,7 +87,7 @@ def measure_extract(args, warm: str, meas: str, model_age_s: float) -> tuple[dic
     from dflash_pipeline.hidden_states import extract as ex
 
     eargs = cli.stage_args("extract", ["--tokens", warm, "--model", args.model, "--out", "x", "--settings",
-                                    args.extract_settings, "--encode-threads", str(args.encode_threads)])
+                                     args.extract_settings, "--encode-threads", str(args.encode_threads)])
     settings = ex.settings_from_args(eargs)
     device = ex.target.resolve_device(settings.device)
     job_tokens = _mean_shard_tokens(args.tokens) * max(1, args.shards_per_job)
@@ -139,8 +139,8 @@ def measure_train(args, hidden: str, meas: str, process_start_s: float) -> dict:
 
     W = max(1, args.train_steps)
     targs = cli.stage_args("train", ["--inputs", hidden, "--model", args.model, "--out",
-                                  os.path.join(args.work_dir, "train"), "--checkpoint-dir",
-                                  os.path.join(args.work_dir, "checkpoints"), "--settings", args.train_settings])
+                                   os.path.join(args.work_dir, "train"), "--checkpoint-dir",
+                                   os.path.join(args.work_dir, "checkpoints"), "--settings", args.train_settings])
     if targs.mode == "online":
         targs.inputs = [meas]
     targs.max_steps, targs.log_every, targs.acceptance_every = 2 * W, W, 0
