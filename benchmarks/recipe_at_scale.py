@@ -86,6 +86,7 @@ VARIANTS = {
     "paper": {},                                   # decay gamma 7, 512 anchors, 5 layers, data labels, lr 6e-4
     "no-weighting": {"loss_weighting": "none"},    # SpecForge's default
     "dpace-gamma4": {"loss_weighting": "dpace", "gamma": 4.0},  # speculators' default
+    "dpace": {"loss_weighting": "dpace"},          # D-PACE at our gamma 7: the weighting or the gamma?
     "anchors-128": {"num_anchors": 128},
     "layers-3": {"num_layers": 3},                 # cheaper to serve
     "target-labels": {"labels": "target"},         # speculators' choice: the target's own argmax
