@@ -249,7 +249,8 @@ def test_chunked_head_cross_entropy_equals_the_plain_path(parts):
 
 def test_loss_weightings_decay_dpace_none(parts):
     """dpace = decay x (per block: sum over scored j >= k of prod_{i<=j} ((1-a) q_i + a)), computed here by
-    loops from the per-token CE; none = uniform weights; the three give three different losses."""
+    loops from the per-token CE; at gamma 0 the D-PACE weight alone (the peers' dpace); none = uniform weights;
+    the three give three different losses."""
     import math
 
     from dflash_pipeline.drafter.batch import scored_mask
@@ -261,6 +262,7 @@ def test_loss_weightings_decay_dpace_none(parts):
     with torch.no_grad():
         out = {w: block_loss(drafter, head, batch, feats, gamma, weighting=w, dpace_alpha=alpha)
                for w in ("decay", "dpace", "none")}
+        alone = block_loss(drafter, head, batch, feats, 0.0, weighting="dpace", dpace_alpha=alpha)
         hidden = draft_all_blocks(drafter, head, batch, feats, "sdpa", None)
         y, w_decay, pos_k, index = scored_labels(batch, batch.input_ids, bs, gamma)
         sel = scored_mask(batch, bs)
@@ -269,7 +271,7 @@ def test_loss_weightings_decay_dpace_none(parts):
                                                reduction="none")
     flat_ce = torch.zeros(sel.shape[0])
     flat_ce[sel] = ce
-    ref_num = ref_den = 0.0
+    ref_num = ref_den = alone_num = alone_den = 0.0
     for blk in range(sel.shape[0] // bs):
         idx = range(blk * bs, (blk + 1) * bs)
         for k in idx:
@@ -279,10 +281,13 @@ def test_loss_weightings_decay_dpace_none(parts):
             for j in idx:
                 if j >= k and sel[j]:
                     w += math.prod((1 - alpha) * math.exp(-float(flat_ce[i])) + alpha for i in idx if i <= j and sel[i])
+            alone_num, alone_den = alone_num + w * float(flat_ce[k]), alone_den + w
             w *= math.exp(-(k - blk * bs - 1) / gamma)
             ref_num += w * float(flat_ce[k])
             ref_den += w
     assert abs(float(out["dpace"].loss) - ref_num / ref_den) < 1e-5
+    assert abs(float(alone.loss) - alone_num / alone_den) < 1e-5
+    assert abs(float(alone.loss) - float(out["dpace"].loss)) > 1e-4
     assert abs(float(out["none"].loss) - float(ce.mean())) < 1e-5
     assert abs(float(out["decay"].loss) - float((ce * w_decay).sum() / w_decay.sum())) < 1e-5
     losses = sorted(float(o.loss) for o in out.values())

@@ -281,7 +281,8 @@ def test_online_training_in_the_packed_layout_matches_the_padded(tiny_target, to
     for layout in ("padded", "packed"):
         out = tmp_path / layout
         assert run_in_process(*_train_args(tiny_target, token_shards, out / "out", out / "ckpt", layout=layout,
-                                           labels=labels, acceptance_every=0)) == 0
+                                           labels=labels, acceptance_every=0,
+                                           loss_weighting="decay" if labels == "distill" else "dpace")) == 0
         recs = [json.loads(ln) for ln in (out / "out" / "metrics.jsonl").read_text().splitlines()]
         losses[layout] = [r["loss"] for r in recs]
     assert len(losses["packed"]) == len(losses["padded"]) == 4
@@ -293,8 +294,8 @@ def test_distill_labels_need_the_target_beside_the_drafter_and_no_dpace(tiny_tar
     (exp(-CE) of one label as an acceptance estimate) has no meaning for a soft CE; both stop before any work."""
     rc = run_in_process(*_train_args(tiny_target, token_shards, tmp_path / "a", tmp_path / "a-ck", mode="offline",
                                      labels="distill"))
-    assert rc != 0 and "--labels distill needs --mode online" in capsys.readouterr().err
+    assert rc != 0 and "train.labels: distill needs train.mode: online" in capsys.readouterr().err
     rc = run_in_process(*_train_args(tiny_target, token_shards, tmp_path / "b", tmp_path / "b-ck", labels="distill",
                                      loss_weighting="dpace"))
-    assert rc != 0 and "--labels distill with --loss-weighting dpace" in capsys.readouterr().err
+    assert rc != 0 and "train.labels: distill with train.loss_weighting: dpace" in capsys.readouterr().err
     assert not (tmp_path / "a-ck").exists() and not (tmp_path / "b-ck").exists()

@@ -3,12 +3,13 @@
 Same-position labels: block position k predicts token anchor + k; position 0 is the anchor and is not
 scored; labels must be supervised and inside the sequence. Cross-entropy weighted per block position and
 normalized by the sum of weights. Weightings (`train.loss_weighting`):
-- decay (the paper's, the default): w_k = exp(-(k-1)/gamma);
-- dpace (D-PACE, speculators' default for DFlash, with its gamma 4): the decay times a detached weight
-  that follows how likely the block is to get that far: with q_j the drafter's probability of label j and
-  s_j = (1 - alpha) q_j + alpha, P_k = prod_{j<=k} s_j and w_k = sum_{j>=k, scored} P_j (a position counts
-  for the scored positions behind it that a mistake there would cost; the definition read from SpecForge
-  0.2.0's `dpace` loss type, speculators' own code was not at hand to compare);
+- decay (the paper's): w_k = exp(-(k-1)/gamma);
+- dpace (the default): the decay times D-PACE's detached weight, which follows how likely the block is to get
+  that far: with q_j the drafter's probability of label j and s_j = (1 - alpha) q_j + alpha, P_k = prod_{j<=k}
+  s_j and w_k = sum_{j>=k, scored} P_j (a position counts for the scored positions behind it that a mistake
+  there would cost). The D-PACE weight is the one SpecForge 0.2.0's `dpace` loss type and speculators 0.9.0's
+  `dpace_loss_decay` compute; both use it alone (no decay; speculators' gamma unused) and SpecForge divides by
+  the batch's samples, not the weight sum. `gamma: 0` here is D-PACE alone;
 - none: w_k = 1 (SpecForge's default).
 With `soft` (train.labels: distill, online) each scored token's CE is against the target's whole next-token
 distribution (head_loss.py); its accuracy counts the target's argmax as the label.

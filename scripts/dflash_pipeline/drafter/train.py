@@ -51,6 +51,7 @@ from dflash_pipeline.drafter.target_head import load_target_head, resolve_mask_t
 from dflash_pipeline.errors import PipelineError, StoppedBySignal
 from dflash_pipeline.progress import Progress
 from dflash_pipeline.settings import typed
+from dflash_pipeline.settings.train_combinations import train_problems
 from dflash_pipeline.target import read_config, text_config
 from dflash_pipeline.target_layers import resolve_target_layer_ids
 from dflash_pipeline.write_checks import check_output_dirs, named_write_errors
@@ -440,12 +441,9 @@ def _run(args) -> int:
 
 def train(s, job: TrainJob) -> int:
     """One training run: `s` the typed train settings (config train: and drafter: keys), `job` its files."""
-    if s.labels != "data" and s.mode != "online":
-        raise PipelineError(f"--labels {s.labels} needs --mode online (the target's predictions are not in the "
-                            "shards)")
-    if s.labels == "distill" and s.loss_weighting == "dpace":
-        raise PipelineError("--labels distill with --loss-weighting dpace: D-PACE reads exp(-CE) of one label as "
-                            "an acceptance estimate, which a soft CE is not; use decay or none")
+    problems = train_problems(s.mode, s.labels, s.loss_weighting)
+    if problems:
+        raise PipelineError("; ".join(problems))
     check_output_dirs("train", checkpoint_dir=job.checkpoint_dir, out=job.out)  # before any work, not after it
     # setup: shapes from the target, data, drafter, optimizer; resume from this run's newest valid checkpoint
     run = setup_run(s, job)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from dflash_pipeline.settings.train_combinations import train_problems
 from dflash_pipeline.storage import not_regular_file
 
 # the rules that ask for GPUs, and the config section that says how much each needs (the config owns the GPU
@@ -278,14 +279,15 @@ def stop_message(problems: list[str]) -> str:
 
 def workflow_problems(workflow, config: dict, *, results: str, inputs: dict[str, str], built_inputs: set[str],
                       target: str | None, argv: list[str], env: dict, cwd: str) -> list[str]:
-    """The workflow's checks before any job: the target directory (`target`: None when the workflow builds it or
-    its path did not resolve), the inputs' reachability, the results directory's owner and every rule's
-    resources on this invocation's executor (before_first_job)."""
+    """The workflow's checks before any job: train settings that cannot go together, the target directory
+    (`target`: None when the workflow builds it or its path did not resolve), the inputs' reachability, the
+    results directory's owner and every rule's resources on this invocation's executor (before_first_job)."""
     from snakemake.resources import Resources
 
     executor = executor_name(argv, env)
     storage = workflow.storage_settings
-    problems = []
+    train = config.get("train") or {}
+    problems = train_problems(train.get("mode"), train.get("labels"), train.get("loss_weighting"))
     if target is not None and executor != "kubernetes":  # a pod's model lives in its image
         problems += target_problems(target)
     remote = f"{storage.default_storage_provider} {storage.default_storage_prefix or ''}" \
