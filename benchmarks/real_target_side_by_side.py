@@ -479,7 +479,12 @@ def stage_specforge(a) -> None:
     epochs); its own where it has none (bf16 params + fp32-master AdamW (0.9, 0.999), FSDP wrapper). Batch:
     `a.specforge_batch` (default 1, its default; its offline DFlash collate pads, so any batch works: anchors per
     sample, the loss a weighted ratio over the batch). `max_steps` is also its cosine horizon, so it is the
-    optimizer steps the data gives: epochs x (samples // batch) (its loader drops the last partial batch)."""
+    optimizer steps the data gives: epochs x (samples // batch) (its loader drops the last partial batch).
+
+    Resumable (recipe_at_scale.py's peer-train): `a.checkpoint_steps` N saves a checkpoint every N optimizer steps
+    (its save_interval, the newest 2 kept) and `a.resume` goes on from the newest complete one in sf_out
+    (training.resume_from; the run's config must be the same: SpecForge checks batch, data size and horizon);
+    a checkpoint at max_steps is exported without training."""
     import yaml
 
     w, out = Path(a.work), Path(a.out)
@@ -490,6 +495,8 @@ def stage_specforge(a) -> None:
     write_json(w / "sf_draft" / "config.json", draft_config(w, r))
     batch = int(getattr(a, "specforge_batch", 0) or 1)
     steps = int(r["epochs"] * (man["samples"] // batch))
+    every = int(getattr(a, "checkpoint_steps", 0) or 0)
+    point = specforge_resume_point(w / "sf_out") if getattr(a, "resume", False) else None
     cfg = {"run_id": "sbs-specforge", "output_dir": str(w / "sf_out"),
            "model": {"target_model_path": str(target_dir(w)), "draft_model_config": str(w / "sf_draft" / "config.json"),
                      "mask_token_id": r["mask_token_id"], "torch_dtype": "bfloat16"},
@@ -498,17 +505,26 @@ def stage_specforge(a) -> None:
            "training": {"strategy": "dflash", "attention_backend": "flex_attention", "num_epochs": max(1, round(r["epochs"])),
                         "max_steps": steps, "batch_size": batch, "learning_rate": r["lr"], "lr_scheduler": "cosine",
                         "warmup_ratio": r["warmup_ratio"], "max_grad_norm": 1.0, "num_anchors": r["num_anchors"],
-                        "loss_type": "dflash", "loss_decay_gamma": r["gamma"], "log_interval": 5, "save_interval": 0,
-                        "seed": 0},
+                        "loss_type": "dflash", "loss_decay_gamma": r["gamma"], "log_interval": 5,
+                        "save_interval": every, "max_checkpoints": 2 if every else 0, "seed": 0},
            "tracking": {"report_to": "none"}}
+    if point:
+        cfg["training"]["resume_from"] = str(point["dir"])
     (w / "sf.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     shutil.copyfile(w / "sf.yaml", out / "specforge.yaml")
     t = time.perf_counter()
-    sh([sys.executable, "-m", "specforge.cli", "train", "-c", w / "sf.yaml"], out / "train_specforge.log", env=peer_env())
+    if point and point["step"] >= steps:
+        log(f"specforge: its step-{point['step']} checkpoint is the run's last: export only")
+    else:
+        sh([sys.executable, "-m", "specforge.cli", "train", "-c", w / "sf.yaml"], out / "train_specforge.log",
+           env=peer_env())
     write_json(out / "specforge_run.json", {"wall_s": time.perf_counter() - t, "steps": steps, "batch_size": batch,
-                                            "samples": man["samples"],
-                                            "tokens": man["tokens"] * r["epochs"]})
-    sh([sys.executable, "-m", "specforge.cli", "export", "--to", "hf", "--checkpoint", w / "sf_out", "--draft-config",
+                                            "samples": man["samples"], "tokens": man["tokens"] * r["epochs"],
+                                            "resumed_from_step": (point or {}).get("step", 0)})
+    # its newest checkpoint by name: `-latest` (what it resolves sf_out by) lags one when a stop fell between the
+    # last save and the link
+    last = (specforge_resume_point(w / "sf_out") or {}).get("dir", w / "sf_out")
+    sh([sys.executable, "-m", "specforge.cli", "export", "--to", "hf", "--checkpoint", last, "--draft-config",
         w / "sf_draft" / "config.json", "--output-dir", w / "sf_export"], out / "train_specforge.log", env=peer_env())
 
 
@@ -516,11 +532,19 @@ def stage_speculators(a) -> None:
     """speculators 0.9.0 offline DFlash training on the same samples (its ids = ours + 1), converted to a
     DFlashDraftModel dir. Settings: all layers full attention (its default is sliding window, causal in the
     block), fixed-exp-decay gamma, CE, AdamW wd 0, cosine; its own packing (rows of max_length tokens, anchors
-    per row) and verifier-argmax labels; eager loss (its fused loss stops Dynamo under torch 2.11)."""
+    per row) and verifier-argmax labels; eager loss (its fused loss stops Dynamo under torch 2.11).
+
+    Resumable (recipe_at_scale.py's peer-train): `a.checkpoint_steps` N saves every ~N steps (its sub-epoch
+    --checkpoint-freq, a share of the epoch's packed rows) and `a.resume` goes on from spec_out's newest consistent
+    checkpoint (its own resume from --save-path, mid-epoch from training_state.json); a finished one is only
+    converted. Without `a.resume` a spec_out left there is resumed by speculators itself, as before. Its
+    checkpoints hold the weights and AdamW moments in bf16: a resumed run is close to an uninterrupted one, not
+    bit-equal."""
     w, out = Path(a.work), Path(a.out)
     if done(w / "spec_export" / "config.json"):
         return
     r, man = recipe(w), read_json(w / "peer_spec" / "manifest.json")
+    point = speculators_resume_point(w / "spec_out") if getattr(a, "resume", False) else None
     n = r["num_layers"]
     # anchors per packed row of max_length tokens = ours per sample x samples per row (equal anchors per token)
     mean_len = man["tokens"] / max(1, man["samples"])
@@ -534,13 +558,61 @@ def stage_speculators(a) -> None:
             "--epochs", max(1, round(r["epochs"])), "--train-data-ratio", 0.99, "--save-path", w / "spec_out",
             "--log-freq", 5, "--num-workers", 4, "--hidden-states-backend", "file", "--on-missing", "raise",
             "--loss-implementation", "eager"]
+    every = int(getattr(a, "checkpoint_steps", 0) or 0)
+    if every:  # its interval is a share of an epoch: ~tokens / total_seq_len packed rows (99% train)
+        rows = max(1.0, man["tokens"] * 0.99 / r["max_length"])
+        args += ["--checkpoint-freq", round(min(1.0, every / rows), 6)]
     write_json(out / "speculators_args.json", [str(x) for x in args])
     t = time.perf_counter()
-    sh([sys.executable, "-m", "speculators.train", *args], out / "train_speculators.log", env=peer_env())
-    ckpt = sorted((p for p in (w / "spec_out").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))[-1]
+    if point and point["finished"] and point["epoch"] + 1 >= max(1, round(r["epochs"])):
+        log(f"speculators: its checkpoint at step {point['step']} ends the run: conversion only")
+    else:
+        sh([sys.executable, "-m", "speculators.train", *args], out / "train_speculators.log", env=peer_env())
+    ckpt = sorted((p for p in (w / "spec_out").iterdir() if p.name.isdigit() and not p.is_symlink()),
+                  key=lambda p: int(p.name))[-1]
     write_json(out / "speculators_run.json", {"wall_s": time.perf_counter() - t, "max_anchors_per_row": anchors,
-                                              "tokens": man["tokens"] * r["epochs"], "steps": speculators_steps(ckpt)})
+                                              "tokens": man["tokens"] * r["epochs"], "steps": speculators_steps(ckpt),
+                                              "resumed_from_step": (point or {}).get("step", 0)})
     speculators_to_dflash(ckpt, target_dir(w), w / "spec_export")
+
+
+def specforge_resume_point(out: Path) -> dict | None:
+    """SpecForge 0.2.0's newest complete checkpoint under its output_dir: {step, dir}. Its CheckpointManager writes
+    `{run_id}-step{N}/` with training_state_rank{r}.pt, then training_state.pt (each to a .tmp renamed), so a
+    folder with both is whole (training/checkpoint.py)."""
+    best = None
+    for d in Path(out).glob("*-step*"):
+        step = d.name.rpartition("-step")[2]
+        if step.isdigit() and (d / "training_state.pt").is_file() and (d / "training_state_rank0.pt").is_file():
+            if best is None or int(step) > best["step"]:
+                best = {"step": int(step), "dir": d}
+    return best
+
+
+def speculators_resume_point(out: Path) -> dict | None:
+    """speculators 0.9.0's checkpoint it resumes from (its highest numbered folder under --save-path, trainer.py
+    setup_trainer): {step, epoch, local_step, finished, dir}. A mid-epoch save rewrites that folder in place (model,
+    optimizer, scheduler, then training_state.json): one whose state file is older than the others was stopped
+    mid-save, and goes (with it an older folder, if any, is the point). Its `interrupted` folder (saved on SIGINT,
+    without a step: it does not resume from it) goes too."""
+    out = Path(out)
+    shutil.rmtree(out / "interrupted", ignore_errors=True)
+    for d in sorted((p for p in out.glob("*") if p.name.isdigit() and p.is_dir() and not p.is_symlink()),
+                    key=lambda p: -int(p.name)):
+        f = d / "training_state.json"
+        parts = [d / "model.safetensors", d / "optimizer_state_dict.pt"]
+        parts += [p for p in [d / "scheduler_state_dict.pt"] if p.exists()]  # none without a scheduler
+        try:
+            state = json.loads(f.read_text())
+            if all(p.stat().st_mtime_ns <= f.stat().st_mtime_ns for p in parts):
+                return {"step": int(state.get("global_step", 0)), "epoch": int(state.get("epoch", d.name)),
+                        "local_step": int(state.get("local_step", 0)), "finished": not state.get("local_step"),
+                        "dir": d}
+        except (OSError, ValueError):  # a state file or a part missing or half written
+            pass
+        log(f"speculators: {d} was left mid-save: removed")
+        shutil.rmtree(d)
+    return None
 
 
 def speculators_steps(ckpt: Path) -> int | None:

@@ -18,13 +18,20 @@ matters into $OUT, the next call carries it in and `gather` puts it back:
     tokens    regen files -> per-turn token shards (byte-identical when rebuilt: training's data digest)
     train     --runs paper,no-weighting@sub ...: online training from the last checkpoint, then export
     evaluate  every exported drafter not yet evaluated: MT-Bench first turns, greedy and T=0.7, per category
-    peer-data / specforge / speculators / peer-clean   one peer at a time on the largest subset that fits the disk
+    peer-plan / peer-data / peer-train / peer-clean   one peer at a time on the largest subset that fits the
+              disk + a share of /dev/shm (capped at the @sub share; --peer-all: no cap); peer-train goes on from the
+              peer's checkpoint in the next call of a warm machine
     pack      the bundle: regen files, progress, results, per unfinished run its checkpoint (full, or bf16 weights
               without optimizer moments when it does not fit), split into parts <= 8 MiB + bundle.set.json
     table     the variant and side-by-side table from results/*.json
 
     PYTHONPATH=scripts:benchmarks python3 benchmarks/recipe_at_scale.py kit
     bash benchmarks/recipe_at_scale_device.sh "prep generate"          # on the GPU machine, one call
+
+The peers on the largest subset that fits, a warm machine's calls in a row (the device script's header):
+
+    bash benchmarks/recipe_at_scale_device.sh "tokens peer-plan peer-data peer-train" --peer specforge --peer-all
+    bash benchmarks/recipe_at_scale_device.sh "peer-train evaluate peer-clean" --peer specforge  # resumes training
 """
 
 from __future__ import annotations
@@ -861,9 +868,22 @@ def stage_evaluate(a) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the peers
+# Both peers train offline from raw bf16 features (SpecForge ~5.8 KB a token, speculators ~6.9 KB): all 16 shards
+# are ~116 / ~139 GB against the 64 GB disk. Their room: PEER_DISK_MARGIN of the disk's free bytes (checkpoints and
+# logs grow beside them, PEER_DISK_FLOOR is never used) plus a share of the memory-backed /dev/shm that leaves
+# PEER_RAM_HEADROOM of the RAM to the trainer (its loader workers, the page cache of the disk part).
+PEER_DISK_MARGIN = 0.85
+PEER_DISK_FLOOR = 2**30
+PEER_RAM_HEADROOM = 40e9
+# steady optimizer steps/s on the H100 (2026-12-07: SpecForge at batch 4 2,350 steps in 202 s; speculators ~2,500
+# packed rows in 258 s with its start-up): what turns --peer-checkpoint-s into each trainer's checkpoint interval
+PEER_STEPS_PER_S = {"specforge": 11.6, "speculators": 9.7}
+
+
 def peer_subset(token_counts: list[int], bytes_per_token: float, free_bytes: int, margin: float = 0.85) -> int:
     """How many shards (in order) the peer's raw bf16 files can take: the largest prefix whose bytes fit in
-    margin x the free disk. Both peers get the same prefix (the smaller of the two), so they see equal data."""
+    margin x free_bytes (peer-plan passes the disk's share + the shm share, margin 1). Both peers get the same prefix
+    (the one of the larger format), so they see equal data."""
     total, k = 0, 0
     for n in token_counts:
         if (total + n) * bytes_per_token > free_bytes * margin:
@@ -878,35 +898,132 @@ def peer_bytes_per_token(hidden: int, n_ids: int) -> dict:
     return {"specforge": 2 * n_ids * hidden, "speculators": 2 * (n_ids + 1) * hidden}
 
 
+def free_bytes(path) -> int:
+    """Free bytes of the file system holding `path` (or its nearest existing parent: the shm folder comes later)."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def mem_available() -> int:
+    """RAM that can still be taken: MemAvailable, lowered to the cgroup's room under a memory limit (a container's
+    /proc/meminfo shows the host). shm pages count as used in both: they cannot be dropped like the page cache."""
+    avail = []
+    try:
+        avail += [int(x.split()[1]) * 1024 for x in Path("/proc/meminfo").read_text().splitlines()
+                  if x.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    for limit_f, usage_f, stat_f, cache, shmem in (
+            ("memory.max", "memory.current", "memory.stat", "file", "shmem"),  # cgroup v2
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat", "total_cache",
+             "total_shmem")):
+        try:
+            cg = Path("/sys/fs/cgroup")
+            stat = dict(x.split()[:2] for x in (cg / stat_f).read_text().splitlines() if x.strip())
+            avail.append(int((cg / limit_f).read_text()) - int((cg / usage_f).read_text())
+                         + int(stat.get(cache, 0)) - int(stat.get(shmem, 0)))
+        except (OSError, ValueError):  # no such cgroup, or "max": no limit
+            continue
+    return max(0, min(avail)) if avail else 0
+
+
+def peer_room(disk_free: int, shm_free: int, mem_avail: int, shm_gb: float | None,
+              margin: float = PEER_DISK_MARGIN, headroom: float = PEER_RAM_HEADROOM) -> dict:
+    """Bytes the peers' files may take: margin x the disk's free bytes, and in shm --peer-shm-gb (None: the RAM
+    available beyond `headroom`; 0: none), never more than the shm folder's free bytes."""
+    shm = mem_avail - headroom if shm_gb is None else shm_gb * 1e9
+    return {"disk_bytes": int(disk_free * margin), "shm_bytes": int(max(0, min(shm, shm_free)))}
+
+
+def peer_split(need: int, room: dict) -> dict:
+    """Where `need` bytes of one peer's files go: the disk's share first, the rest in shm."""
+    disk = min(need, room["disk_bytes"])
+    return {"bytes": need, "disk_bytes": disk, "shm_bytes": need - disk,
+            "fits": need <= room["disk_bytes"] + room["shm_bytes"]}
+
+
+def plan_request(a) -> str:
+    """What caps the peers' subset: `sub` (the default: the @sub share), `all` (--peer-all: the room only) or the
+    shard count of --peer-shards N."""
+    return str(a.peer_shards) if a.peer_shards else ("all" if a.peer_all else "sub")
+
+
 def stage_peer_plan(a) -> None:
     """The peers' subset: the largest prefix of the token shards whose raw bf16 files (the larger peer's format)
-    fit this disk, capped at the `@sub` share or --peer-shards (SpecForge trains at batch 1, ~7.2K tok/s on an H100:
-    the @sub share's ~5.3M tokens take ~12 min, more than one device call); written once (results/peer-plan.json travels in the bundle), so
-    `paper@peer` and both peers train on the same shards on any later machine."""
+    fit the room (the disk's share + the shm share: peer_room), capped at the `@sub` share (SpecForge at batch 1,
+    ~7.2K tok/s on an H100, took more than a call for it), at --peer-shards N, or not at all with --peer-all.
+    Written once (results/peer-plan.json travels in the bundle), so ours and both peers train on the same shards on
+    any later machine; a call asking explicitly (--peer-all, --peer-shards) for another cap than the plan's replaces
+    it, the old one kept as results/peer-plan-<its cap>.json, when no peer's files of it are left and no `@peer` run
+    was trained on it. The plan records the disk and shm shares, where each peer's bytes split between them, and
+    the training samples (held-out ones dropped) the peers get."""
     import pyarrow.parquet as pq
 
+    from dflash_pipeline.drafter.sources import is_holdout
+
     w = Work(a.work)
-    if (w.results / "peer-plan.json").exists():
-        return
+    path = w.results / "peer-plan.json"
+    old, request = read_json(path), plan_request(a)
+    if old is not None:
+        was = old.get("request") or ("sub" if old.get("equal_to_sub") else str(len(old["shards"])))
+        if request == was or not (a.peer_all or a.peer_shards):
+            return
+        busy = [peer for peer, d in PEER_DIRS.items() if (w.peers / d["data"]).exists()]
+        if busy:
+            raise SystemExit(f"peer-plan: {', '.join(busy)}'s files of the current plan ({was}) are still here: "
+                             f"peer-clean --peer {busy[0]} first")
+        tagged = [r for r in (w.progress().get("runs") or {}) if r.endswith("@peer")]  # @sub, @all: no other data
+        if tagged:
+            raise SystemExit(f"peer-plan: {', '.join(tagged)} trained on the current plan ({was}); a new plan would "
+                             "give their names a second data set")
+        shutil.copyfile(path, w.results / f"peer-plan-{was}.json")
+        log(f"peers: the plan capped by '{was}' is replaced by one capped by '{request}' (kept as "
+            f"results/peer-plan-{was}.json)")
     cfg = read_json(target_dir(w) / "config.json")
     per = peer_bytes_per_token(int(cfg["hidden_size"]), SCALE["num_layers"])
     shards = run_inputs(w, False)
-    counts = [sum(pq.read_table(p, columns=["length"]).column("length").to_pylist()) for p in shards]
-    free = shutil.disk_usage(w.root).free
-    k = min(peer_subset(counts, max(per.values()), free), a.peer_shards or len(run_inputs(w, True)))
+    counts, samples = [], []
+    for p in shards:
+        t = pq.read_table(p, columns=["sample_id", "length"]).to_pydict()
+        counts.append(sum(t["length"]))
+        samples.append(sum(not is_holdout(s, SCALE["holdout_fraction"]) for s in t["sample_id"]))
+    shm_dir = Path(a.peer_shm_dir).absolute()
+    disk_free, shm_free, mem = free_bytes(w.root), free_bytes(shm_dir), mem_available()
+    room = peer_room(disk_free, shm_free, mem, a.peer_shm_gb)
+    fit = peer_subset(counts, max(per.values()), room["disk_bytes"] + room["shm_bytes"], margin=1.0)
+    n_sub = len(run_inputs(w, True))
+    cap = a.peer_shards or (len(shards) if a.peer_all else n_sub)
+    k = min(fit, cap)
     if k == 0:
-        raise SystemExit(f"peers: not one token shard's raw features fit {free / 1e9:.1f} GB free")
-    plan = {"shards": [p.name for p in shards[:k]], "tokens": sum(counts[:k]), "of_tokens": sum(counts),
-            "free_bytes": free, "bytes_per_token": per, "equal_to_sub": k == len(run_inputs(w, True))}
-    write_json(w.results / "peer-plan.json", plan)
-    log(f"peers: {k} of {len(counts)} shards ({plan['tokens']:,} of {plan['of_tokens']:,} tokens, "
-        f"{plan['tokens'] * max(per.values()) / 1e9:.1f} GB for the larger peer) of {free / 1e9:.1f} GB free")
+        raise SystemExit(f"peers: not one token shard's raw features fit {room['disk_bytes'] / 1e9:.1f} GB of disk "
+                         f"+ {room['shm_bytes'] / 1e9:.1f} GB of shm")
+    limited = ("the room" if fit < cap else "nothing: all shards" if k == len(shards)
+               else "--peer-shards" if a.peer_shards else "the @sub share")
+    tokens = sum(counts[:k])
+    plan = {"shards": [p.name for p in shards[:k]], "tokens": tokens, "of_tokens": sum(counts),
+            "samples": sum(samples[:k]), "of_samples": sum(samples), "request": request, "limited_by": limited,
+            "free_bytes": disk_free, "disk_bytes": room["disk_bytes"], "shm_bytes": room["shm_bytes"],
+            "shm_dir": str(shm_dir), "shm_free_bytes": shm_free, "mem_available_bytes": mem,
+            "shm_gb": a.peer_shm_gb, "bytes_per_token": per,
+            "split": {peer: peer_split(tokens * b, room) for peer, b in per.items()},
+            "equal_to_sub": k == n_sub, "equal_to_all": k == len(shards)}
+    write_json(path, plan)
+    log(f"peers: {k} of {len(counts)} shards, {plan['samples']:,} training samples, {tokens:,} of "
+        f"{plan['of_tokens']:,} tokens (limited by {limited}); room {room['disk_bytes'] / 1e9:.1f} GB of disk "
+        f"({PEER_DISK_MARGIN} x {disk_free / 1e9:.1f} free) + {room['shm_bytes'] / 1e9:.1f} GB in {shm_dir} "
+        f"({shm_free / 1e9:.1f} free, {mem / 1e9:.1f} GB RAM available); "
+        + ", ".join(f"{peer} {s['bytes'] / 1e9:.1f} GB = {s['disk_bytes'] / 1e9:.1f} disk + "
+                    f"{s['shm_bytes'] / 1e9:.1f} shm" for peer, s in plan["split"].items()))
 
 
 def ours_for_peers(plan: dict | None) -> str:
-    """Our run the peers are compared with: `paper@sub` when the peer subset is the `@sub` one (no second run of
-    the same thing), else `paper@peer`."""
-    return "paper@sub" if plan and plan.get("equal_to_sub") else "paper@peer"
+    """Our run the peers are compared with: `paper@sub` when the peer subset is the `@sub` one, `paper` when it is
+    all the shards (no second run of the same thing), else `paper@peer`."""
+    if plan and plan.get("equal_to_sub"):
+        return "paper@sub"
+    return "paper" if plan and plan.get("equal_to_all") else "paper@peer"
 
 
 def shape_configs(w: Work, run: str, device: str) -> tuple[Path, Path]:
@@ -945,6 +1062,9 @@ def peer_layout(w: Work, device: str) -> Path:
         d.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(drafter_config, res / "train" / "drafter" / "drafter_config.json")
     shutil.copyfile(engine_config, res / "drafter" / "config.json")
+    for link in (res / "tokens" / "regenerated").iterdir():  # a replaced plan's other shards
+        if link.name not in plan["shards"]:
+            link.unlink()
     for name in plan["shards"]:
         link = res / "tokens" / "regenerated" / name
         if not link.exists():
@@ -961,17 +1081,118 @@ def peer_layout(w: Work, device: str) -> Path:
 
 
 # each peer's folders under peers/ (real_target_side_by_side.py's stages write them): its offline files, its
-# trainer's output, its drafter converted for our evaluator, and scratch files
+# trainer's output (and beside it <out>.owner.json: the run it belongs to), its drafter converted for our
+# evaluator, and scratch files
 PEER_DIRS = {"specforge": {"data": "peer_sf", "out": "sf_out", "export": "sf_export", "scratch": ("sf_draft",)},
              "speculators": {"data": "peer_spec", "out": "spec_out", "export": "spec_export", "scratch": ()}}
+
+
+def peer_file(peer: str, i: int) -> str:
+    """Sample i's file in the peer's data folder, as its reader names it."""
+    return f"sample_{i:08d}.ckpt" if peer == "specforge" else f"hidden_states/hs_{i}.safetensors"
+
+
+class PeerFiles:
+    """One peer's files: in `dest` (the folder its trainer reads) while the plan's disk share lasts, then in `shm`
+    with a symlink of the same name in dest. Both readers follow it: SpecForge 0.2.0 lists dest with os.walk (a
+    link to a file is one of its file names, offline_reader.list_feature_files) and opens it with torch.load;
+    speculators 0.9.0 opens hidden_states/hs_{i}.safetensors by name (hs_connectors FileTransfer: Path.exists,
+    safetensors load_file). A file is written as NAME.partial and renamed, its link made aside and renamed: a
+    call stopped mid-way leaves nothing half written under a name the readers take."""
+
+    def __init__(self, dest: Path, shm: Path, disk_cap: int, shm_cap: int):
+        self.dest, self.shm, self.disk_cap, self.shm_cap = dest, Path(shm).absolute(), disk_cap, shm_cap
+        self.tidy()
+
+    def tidy(self) -> None:
+        """Drop what a stopped call left (.partial files, links whose target is gone: an emptied shm; shm files
+        no link names: stopped between the rename and the link) and count what stays."""
+        linked, self.disk_used, self.shm_used = set(), 0, 0
+        for root, _, names in os.walk(self.dest):
+            for n in names:
+                f = Path(root) / n
+                if n.endswith(".partial") or (f.is_symlink() and not f.exists()):
+                    f.unlink()
+                elif f.is_symlink():
+                    linked.add(os.path.realpath(f))
+                else:
+                    self.disk_used += f.stat().st_size
+        for root, _, names in os.walk(self.shm):
+            for n in names:
+                f = Path(root) / n
+                if n.endswith(".partial") or os.path.realpath(f) not in linked:
+                    f.unlink()
+                else:
+                    self.shm_used += f.stat().st_size
+
+    def done(self, rel: str) -> bool:
+        return (self.dest / rel).exists()
+
+    def room(self) -> tuple[int, int]:
+        """(disk, shm) bytes still to take."""
+        return (max(0, min(self.disk_cap - self.disk_used, free_bytes(self.dest) - PEER_DISK_FLOOR)),
+                max(0, min(self.shm_cap - self.shm_used, free_bytes(self.shm))))
+
+    def write(self, rel: str, nbytes: int, save) -> None:
+        """save(path) writes the file `rel` (about nbytes): on the disk while its share lasts, else in shm."""
+        disk, shm = self.room()
+        if nbytes <= disk:
+            root = self.dest
+        elif nbytes <= shm:
+            root = self.shm
+        else:
+            raise SystemExit(f"peer-data: no room for {rel} ({nbytes / 1e6:.1f} MB): disk {self.disk_used / 1e9:.1f} "
+                             f"of {self.disk_cap / 1e9:.1f} GB used, shm {self.shm_used / 1e9:.1f} of "
+                             f"{self.shm_cap / 1e9:.1f} GB ({self.shm}); plan again with less (--peer-shards N)")
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".partial")
+        save(tmp)
+        os.replace(tmp, path)
+        if root == self.dest:
+            self.disk_used += path.stat().st_size
+            return
+        self.shm_used += path.stat().st_size
+        link = self.dest / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        tmp = link.with_name(link.name + ".partial")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(path)
+        os.replace(tmp, link)
+
+
+def remove_peer_files(w: Work, peer: str, shm_root: str | Path) -> None:
+    """A peer's data folder and its shm part (the folders its journal names and the current --peer-shm-dir's)."""
+    dest = w.peers / PEER_DIRS[peer]["data"]
+    journal = read_json(dest / "_layout.json", {}) or {}
+    for d in {*journal.get("shm_dirs", []), str(Path(shm_root).absolute() / peer)}:
+        if Path(d).name == peer:  # never more than a peer's own folder
+            shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(dest, ignore_errors=True)  # its links go, not what they point to
+
+
+def write_json_whole(path: Path, data) -> None:
+    """write_json through NAME.partial and a rename: a call stopped mid-way leaves the old file or the new one."""
+    tmp = path.with_name(path.name + ".partial")
+    write_json(tmp, data)
+    os.replace(tmp, path)
+
+
+def missing_peer_files(dest: Path, peer: str, n: int) -> int:
+    return sum(not (dest / peer_file(peer, i)).exists() for i in range(n))
 
 
 def stage_peer_data(a) -> None:
     """One peer's offline files (--peer), from the same samples our run trained on (ours_for_peers): SpecForge
     sample_*.ckpt {input_ids, loss_mask, hidden_states [T, n*H]} or speculators' datasets dir + hs_{i}.safetensors
     {hidden_states [T, n+1, H] (its layers, then the last layer's PRE-norm output), token_ids}. The other peer's
-    files must be gone (peer-clean): both never fit the disk together. The features come from
-    real_target_side_by_side.peer_features, which that benchmark uses to write both formats in one pass."""
+    files must be gone (peer-clean): both never fit together. The features come from
+    real_target_side_by_side.peer_features, which that benchmark uses to write both formats in one pass.
+
+    The files go to the disk until the plan's disk share is used, then to --peer-shm-dir/<peer> with links in the
+    peer's folder (PeerFiles). Resumable: a rerun (a call's SIGINT stopped the last) computes and writes only the
+    samples whose file is not there; manifest.json marks the set complete, and a set whose shm part is gone is
+    completed again."""
     import torch
     from safetensors.torch import save_file
 
@@ -979,25 +1200,66 @@ def stage_peer_data(a) -> None:
 
     w = Work(a.work)
     p = peer_layout(w, a.device)
+    plan = read_json(w.results / "peer-plan.json")
     dest = p / PEER_DIRS[a.peer]["data"]
     other = p / next(d["data"] for peer, d in PEER_DIRS.items() if peer != a.peer)
     if (dest / "manifest.json").exists():
-        return
+        n = read_json(dest / "manifest.json")["samples"]
+        gone = missing_peer_files(dest, a.peer, n)
+        if not gone:
+            return
+        log(f"peer-data {a.peer}: {gone} of {n} files gone (their shm part?): written again")
+        (dest / "manifest.json").unlink()
     if other.exists():
         raise SystemExit(f"peer-data {a.peer}: {other} is still on disk (peer-clean the other peer first)")
     r = sbs.recipe(p)
     samples = sbs.training_samples(p, r)
-    (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
-    t0, tokens = time.perf_counter(), 0
-    for i, ids, lm, feats, last in sbs.peer_features(p / "target", a.device, samples, r["target_layer_ids"]):
-        n = len(ids)
-        if a.peer == "specforge":  # its format is a pickle per sample (what its reader loads)
-            torch.save({"input_ids": ids, "loss_mask": lm, "hidden_states": feats.reshape(n, -1).contiguous()},
-                       dest / f"sample_{i:08d}.ckpt")
-        else:
-            save_file({"hidden_states": torch.cat([feats, last], dim=1).contiguous(), "token_ids": ids},
-                      str(dest / "hidden_states" / f"hs_{i}.safetensors"))
-        tokens += n
+    layout = {"peer": a.peer, "samples": len(samples), "shards": plan["shards"]}
+    journal = read_json(dest / "_layout.json", {}) or {}
+    if journal and {k: journal.get(k) for k in layout} != layout:
+        log(f"peer-data {a.peer}: the files there are of another sample set: written anew")
+        remove_peer_files(w, a.peer, a.peer_shm_dir)
+        journal = {}
+    shm = Path(a.peer_shm_dir).absolute() / a.peer
+    journal = dict(layout, shm_dirs=sorted({*journal.get("shm_dirs", []), str(shm)}),
+                   seconds=journal.get("seconds", 0.0), calls=journal.get("calls", 0) + 1)
+    dest.mkdir(parents=True, exist_ok=True)
+    write_json_whole(dest / "_layout.json", journal)
+    files = PeerFiles(dest, shm, plan.get("disk_bytes", int(plan["free_bytes"] * PEER_DISK_MARGIN)),
+                      plan.get("shm_bytes", 0))
+    per = plan["bytes_per_token"][a.peer] + 16  # the features + int64 ids (SpecForge: + its loss mask)
+    todo = [i for i in range(len(samples)) if not files.done(peer_file(a.peer, i))]
+    need = sum(len(samples[i][1]) * per + 4096 for i in todo)
+    disk, shm_room = files.room()
+    if need > disk + shm_room:
+        raise SystemExit(f"peer-data {a.peer}: {len(todo)} samples need {need / 1e9:.1f} GB; room here "
+                         f"{disk / 1e9:.1f} GB of disk + {shm_room / 1e9:.1f} GB in {shm}: peer-clean, and plan "
+                         "again with less (--peer-shards N)")
+    to_shm = max(0, need - disk)
+    if to_shm and to_shm > mem_available() - PEER_RAM_HEADROOM:
+        log(f"WARNING peer-data {a.peer}: {to_shm / 1e9:.1f} GB more in shm leaves less than "
+            f"{PEER_RAM_HEADROOM / 1e9:.0f} GB of RAM ({mem_available() / 1e9:.1f} GB available now)")
+    if todo:
+        log(f"peer-data {a.peer}: {len(todo)} of {len(samples)} samples to write ({need / 1e9:.1f} GB; room "
+            f"{disk / 1e9:.1f} GB of disk, then {shm_room / 1e9:.1f} GB in {shm})")
+    t0, written = time.perf_counter(), 0
+    try:
+        sub = [samples[i] for i in todo]  # none left (stopped in speculators' dataset save): no target loaded
+        stream = sbs.peer_features(p / "target", a.device, sub, r["target_layer_ids"]) if todo else ()
+        for j, ids, lm, feats, last in stream:
+            n = len(ids)
+            if a.peer == "specforge":  # its format is a pickle per sample (what its reader loads)
+                obj = {"input_ids": ids, "loss_mask": lm, "hidden_states": feats.reshape(n, -1).contiguous()}
+                files.write(peer_file(a.peer, todo[j]), n * per + 4096, lambda f: torch.save(obj, f))
+            else:
+                obj = {"hidden_states": torch.cat([feats, last], dim=1).contiguous(), "token_ids": ids}
+                files.write(peer_file(a.peer, todo[j]), n * per + 4096, lambda f: save_file(obj, str(f)))
+            written += 1
+    finally:  # a stopped call's share of the time, and how far it got
+        journal["seconds"] += time.perf_counter() - t0
+        write_json_whole(dest / "_layout.json", journal)
+        w.update(peers={a.peer: {"data_samples": len(samples), "data_samples_done": len(samples) - len(todo) + written,
+                                 "data_calls": journal["calls"]}})
     if a.peer == "speculators":
         from datasets import Dataset
 
@@ -1005,12 +1267,19 @@ def stage_peer_data(a) -> None:
                                 "seq_len": [len(x[1]) for x in samples]})
         ds.set_format(type="torch")
         ds.save_to_disk(str(dest))
-    man = {"peer": a.peer, "samples": len(samples), "tokens": tokens, "seconds": time.perf_counter() - t0,
-           "bytes": sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()), "recipe": r}
-    write_json(dest / "manifest.json", man)
+    linked = [dest / peer_file(a.peer, i) for i in range(len(samples))]
+    linked = [f for f in linked if f.is_symlink()]
+    total = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    in_shm = sum(f.stat().st_size for f in linked)
+    man = {"peer": a.peer, "samples": len(samples), "tokens": sum(len(x[1]) for x in samples),
+           "seconds": journal["seconds"], "calls": journal["calls"], "bytes": total,
+           "disk": {"samples": len(samples) - len(linked), "bytes": total - in_shm, "dir": str(dest)},
+           "shm": {"samples": len(linked), "bytes": in_shm, "dir": str(shm)}, "recipe": r}
+    write_json_whole(dest / "manifest.json", man)
     write_json(w.results / f"peer-data-{a.peer}.json", man)
-    log(f"peer data {a.peer}: {len(samples)} samples, {tokens:,} tokens, {man['bytes'] / 1e9:.1f} GB "
-        f"in {man['seconds']:.0f} s")
+    log(f"peer data {a.peer}: {len(samples)} samples, {man['tokens']:,} tokens, {total / 1e9:.1f} GB "
+        f"({man['disk']['bytes'] / 1e9:.1f} GB on disk, {in_shm / 1e9:.1f} GB of {len(linked)} samples in {shm}) "
+        f"in {man['seconds']:.0f} s over {man['calls']} call(s)")
 
 
 def ours_batch(w: Work) -> int:
@@ -1018,50 +1287,124 @@ def ours_batch(w: Work) -> int:
     return run_spec(ours_for_peers(read_json(w.results / "peer-plan.json")))[0]["batch_size"]
 
 
+def peer_data(plan: dict | None) -> str:
+    """The peers' data as a run's `data`: `sub` (the @sub plan), `all` (every shard) or `peer` (another prefix)."""
+    if plan is None or plan.get("equal_to_sub"):
+        return "sub"
+    return "all" if plan.get("equal_to_all") else "peer"
+
+
 def peer_run_name(a, w: Work) -> str:
     """The peer's drafter name: `speculators`; `specforge` at our batch size, `specforge-bN` at another
-    (--specforge-batch 1: its default), so both can be trained and evaluated side by side."""
+    (--specforge-batch 1: its default), so both can be trained and evaluated side by side; `@all` or `@peer`
+    appended when the plan is not the `@sub` one (the first peer runs, on it, keep their names)."""
+    data = peer_data(read_json(w.results / "peer-plan.json"))
+    tag = "" if data == "sub" else f"@{data}"
     if a.peer != "specforge" or not a.specforge_batch or a.specforge_batch == ours_batch(w):
-        return a.peer
-    return f"specforge-b{a.specforge_batch}"
+        return a.peer + tag
+    return f"specforge-b{a.specforge_batch}{tag}"
+
+
+def peer_checkpoint_steps(peer: str, seconds: float) -> int:
+    """The peer's checkpoint interval in its optimizer steps: `seconds` of them at its H100 rate (0: none)."""
+    return max(1, round(seconds * PEER_STEPS_PER_S[peer])) if seconds else 0
+
+
+def peer_owner(a, w: Work, man: dict) -> dict:
+    """What a peer's training output belongs to: only the same run (name, batch) on the same files resumes it."""
+    owner = {"run": peer_run_name(a, w), "samples": man["samples"], "tokens": man["tokens"]}
+    if a.peer == "specforge":
+        owner["batch"] = a.specforge_batch or ours_batch(w)
+    return owner
+
+
+def peer_resume(peer: str, p: Path, owner: dict, fresh: bool = False) -> int | None:
+    """The step the peer's training goes on from: its newest complete checkpoint when its output folder belongs to
+    `owner` (real_target_side_by_side.specforge_resume_point / speculators_resume_point); else (or `fresh`) None,
+    and the folder (another run's, or none usable) is cleared for a fresh start. The converted drafter is always
+    made again from the checkpoint (seconds): a stopped call may have left half of it."""
+    import real_target_side_by_side as sbs
+
+    d = PEER_DIRS[peer]
+    out, mark = p / d["out"], p / f"{d['out']}.owner.json"
+    shutil.rmtree(p / d["export"], ignore_errors=True)
+    point = None
+    if out.exists() and read_json(mark) == owner and not fresh:
+        point = sbs.specforge_resume_point(out) if peer == "specforge" else sbs.speculators_resume_point(out)
+    if point is None:
+        shutil.rmtree(out, ignore_errors=True)
+        write_json_whole(mark, owner)
+        return None
+    return int(point["step"])
 
 
 def stage_peer_train(a) -> None:
     """The peer's own trainer on its files (real_target_side_by_side.py's stage, settings as documented there),
-    its drafter converted to a DFlashDraftModel directory under drafters/ (evaluate picks it up)."""
+    its drafter converted to a DFlashDraftModel directory under drafters/ (evaluate picks it up).
+
+    Across calls: the trainer checkpoints every --peer-checkpoint-s seconds of its steps (at PEER_STEPS_PER_S), a
+    call's SIGINT stops it, and the next peer-train of the same run on a warm machine (its files and output still
+    there) goes on from the newest checkpoint through the peer's own resume (SpecForge training.resume_from;
+    speculators' resume from its --save-path) instead of starting over. Each call's start step and seconds are in
+    progress.json (runs.<name>.peer_train.calls) and the run's results (resumed_from_steps)."""
     import real_target_side_by_side as sbs
 
     w = Work(a.work)
-    name = PEER_DIRS[a.peer]["export"]
     run_name = peer_run_name(a, w)
     if (w.drafters / run_name / "config.json").exists():
         return
     p = peer_layout(w, a.device)
-    for d in (name, PEER_DIRS[a.peer]["out"]):  # another batch's run of this peer
-        shutil.rmtree(p / d, ignore_errors=True)
+    dest = p / PEER_DIRS[a.peer]["data"]
+    man = read_json(dest / "manifest.json")
+    if man is None or missing_peer_files(dest, a.peer, man["samples"]):
+        raise SystemExit(f"peer-train {a.peer}: its files are not all there (peer-data --peer {a.peer} first)")
+    owner = peer_owner(a, w, man)
+    step = peer_resume(a.peer, p, owner, a.peer_fresh)
+    st = ((w.progress().get("runs") or {}).get(run_name) or {}).get("peer_train") or {}
+    calls = ((st.get("calls") or []) if step is not None else []) + [{"from_step": step or 0}]
+    w.update(runs={run_name: {"data": peer_data(read_json(w.results / "peer-plan.json")),
+                              "peer_train": {"calls": calls}}})
+    peer_log = p / "logs" / f"train_{a.peer}.log"
+    if step is None:
+        peer_log.unlink(missing_ok=True)  # another run's
+        log(f"peer-train {run_name}: from the start")
+    else:
+        log(f"peer-train {run_name}: resuming from its step-{step} checkpoint (call {len(calls)}; --peer-fresh "
+            "starts over)")
     t = time.perf_counter()
-    batch = a.specforge_batch or ours_batch(w)
-    getattr(sbs, f"stage_{a.peer}")(argparse.Namespace(work=str(p), out=str(p / "logs"), device=a.device,
-                                                       specforge_batch=batch))
-    shutil.copytree(p / name, w.drafters / run_name)
-    log_ = p / "logs" / f"train_{a.peer}.log"  # its own log comes back with the call's logs (peer-clean keeps none)
-    if log_.exists():
-        (w.root / "logs").mkdir(exist_ok=True)
-        shutil.copyfile(log_, w.root / "logs" / f"train-{run_name}.log")
+    try:
+        getattr(sbs, f"stage_{a.peer}")(argparse.Namespace(
+            work=str(p), out=str(p / "logs"), device=a.device, specforge_batch=owner.get("batch"),
+            resume=step is not None, checkpoint_steps=peer_checkpoint_steps(a.peer, a.peer_checkpoint_s)))
+    finally:  # a stopped call too: its time, and the peer's log back with the call's logs (peer-clean keeps none)
+        calls[-1]["seconds"] = round(time.perf_counter() - t, 1)
+        w.update(runs={run_name: {"peer_train": {"calls": calls}}})
+        if peer_log.exists():
+            (w.root / "logs").mkdir(exist_ok=True)
+            shutil.copyfile(peer_log, w.root / "logs" / f"train-{run_name}.log")
+    part = w.drafters / f"{run_name}.partial"  # complete or absent: its config.json says trained
+    shutil.rmtree(part, ignore_errors=True)
+    shutil.copytree(p / PEER_DIRS[a.peer]["export"], part)
+    os.replace(part, w.drafters / run_name)
     run = read_json(p / "logs" / f"{a.peer}_run.json", {}) or {}
-    man = read_json(w.results / f"peer-data-{a.peer}.json", {}) or {}  # peer-data's manifest
     rate = sbs.steady_rate(a.peer, p / "logs", dict(man.get("recipe") or {}, _manifest=man))  # from its own log
-    write_json(w.results / f"train-{run_name}.json", dict(run, wall_s_stage=time.perf_counter() - t,
-                                                           median_tokens_per_s=rate))
+    write_json(w.results / f"train-{run_name}.json", dict(
+        run, wall_s_stage=round(sum(c["seconds"] for c in calls), 1), calls=len(calls), samples=man["samples"],
+        resumed_from_steps=[c["from_step"] for c in calls[1:]], median_tokens_per_s=rate))
     w.update(runs={run_name: {"trained": True, "exported": True}})
 
 
 def stage_peer_clean(a) -> None:
-    """The peer's files and training outputs off the disk (its exported drafter stays)."""
+    """The peer's files (the disk's and the shm part) and training outputs off the machine (its exported drafter
+    stays)."""
     w = Work(a.work)
-    for d in (PEER_DIRS[a.peer]["data"], PEER_DIRS[a.peer]["out"], *PEER_DIRS[a.peer]["scratch"]):
-        shutil.rmtree(w.peers / d, ignore_errors=True)
-    log(f"peer-clean {a.peer}: {shutil.disk_usage(w.root).free / 1e9:.1f} GB free")
+    remove_peer_files(w, a.peer, a.peer_shm_dir)
+    d = PEER_DIRS[a.peer]
+    for x in (d["out"], *d["scratch"]):
+        shutil.rmtree(w.peers / x, ignore_errors=True)
+    (w.peers / f"{d['out']}.owner.json").unlink(missing_ok=True)
+    log(f"peer-clean {a.peer}: {free_bytes(w.root) / 1e9:.1f} GB free on disk, "
+        f"{free_bytes(a.peer_shm_dir) / 1e9:.1f} GB in {a.peer_shm_dir}")
 
 
 PEER_STAGES = {"peer-plan": stage_peer_plan, "peer-data": stage_peer_data, "peer-train": stage_peer_train,
@@ -1265,7 +1608,23 @@ def parse_args(argv=None):
     ap.add_argument("--peer", choices=["specforge", "speculators"], default="speculators",
                     help="peer-data / peer-train / peer-clean: which peer")
     ap.add_argument("--peer-shards", type=int, default=0,
-                    help="peer-plan: at most this many token shards for the peers (0: the @sub share)")
+                    help="peer-plan: at most this many token shards for the peers (0: the @sub share, or with "
+                         "--peer-all no cap)")
+    ap.add_argument("--peer-all", action="store_true",
+                    help="peer-plan: the largest prefix of all the shards that fits the disk + the shm share, not "
+                         "capped at the @sub share (replaces a plan made for another cap: peer-clean first)")
+    ap.add_argument("--peer-shm-gb", type=float, default=None,
+                    help="peer-plan: GB of --peer-shm-dir (memory-backed) for the peers' files beyond the disk's "
+                         f"share (default: MemAvailable - {PEER_RAM_HEADROOM / 1e9:.0f} GB; never more than its free "
+                         "space; 0: the disk only)")
+    ap.add_argument("--peer-shm-dir", default=os.environ.get("RAS_PEER_SHM_DIR", "/dev/shm/scale-peers"),
+                    help="peer-plan / peer-data / peer-clean: where the files beyond the disk's share go, a folder "
+                         "per peer (env RAS_PEER_SHM_DIR)")
+    ap.add_argument("--peer-checkpoint-s", type=float, default=60,
+                    help="peer-train: the peer's checkpoint interval in seconds of its steps at its H100 rate: what "
+                         "a call stopped mid-training loses at most (0: no checkpoints before the end)")
+    ap.add_argument("--peer-fresh", action="store_true",
+                    help="peer-train: start the peer's training over instead of resuming its checkpoint")
     ap.add_argument("--specforge-batch", type=int, default=0,
                     help="peer-train: SpecForge's batch size (0: ours, the compared run's; 1: SpecForge's default)")
     ap.add_argument("--bundle-optimizer", choices=["auto", "always", "never"], default="auto",

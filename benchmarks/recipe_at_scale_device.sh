@@ -12,6 +12,12 @@
 # STAGES bounded by the call's budget (SIGINT, then KILL), then always pack: the bundle parts, its set manifest
 # and logs.tgz (logs, results, table.txt) come back in $OUT (<= 8 files). A warm machine keeps $W between calls
 # (issue the next call within 30 s); a cold one gets everything back from what the next calls carry.
+#
+# The peers on the largest subset that fits the disk + /dev/shm (one peer at a time; its files and its trainer's
+# checkpoints stay only on the warm machine, so a peer's calls follow each other without a pause):
+#   "tokens peer-plan peer-data peer-train" --peer specforge --peer-all --specforge-batch 4
+#   "peer-train evaluate peer-clean" --peer specforge --specforge-batch 4     # again until it is trained
+#   "peer-data peer-train" --peer speculators, then "peer-train evaluate peer-clean" --peer speculators
 set -uo pipefail
 STAGES=${1:?stages, e.g. "generate tokens"}
 shift
@@ -38,6 +44,7 @@ fi
 export PYTHONPATH=$SITE:$REPO/scripts:$REPO/benchmarks PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 df -h "$W" /dev/shm | tail -n +2  # the disk for the peers' files, and memory-backed room beside it
+grep -E '^(MemTotal|MemAvailable|Shmem):' /proc/meminfo | tr -s ' ' | paste -sd ' '  # what bounds the shm share
 # shellcheck disable=SC2086  # COMMON and STAGES are word lists
 ras() { python3 "$REPO/benchmarks/recipe_at_scale.py" "$@" --work "$W" --kit "$KIT" $COMMON; }
 ras gather --out "$W/out" --in "$(dirname "$KIT")"/in-* || exit 5  # the payload folders `carry` wrote

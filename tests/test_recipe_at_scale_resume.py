@@ -26,6 +26,12 @@ import recipe_at_scale as ras  # noqa: E402
 STOP_AT = 8  # the checkpoint save at which call 2 ends (step 6's checkpoint is the last one written)
 
 
+@pytest.fixture(autouse=True)
+def shm_dir(tmp_path, monkeypatch):
+    """The peers' shm folder is a tmp folder: nothing here writes to the machine's /dev/shm."""
+    monkeypatch.setenv("RAS_PEER_SHM_DIR", str(tmp_path / "shm"))
+
+
 class CallEnded(Exception):
     """The GPU call's time is up (raised instead of writing a checkpoint)."""
 
