@@ -376,6 +376,7 @@ def recipe(w: Path) -> dict:
             "mask_token_id": int(dcfg["mask_token_id"]), "num_anchors": int(t["num_anchors"]),
             "gamma": float(t["gamma"]), "max_length": int(t["max_length"]), "epochs": float(t["epochs"]),
             "lr": float(t["lr"]), "warmup_ratio": float(t["warmup_ratio"]), "batch_size": int(t["batch_size"]),
+            "loss_weighting": str(t.get("loss_weighting") or "decay"), "dpace_alpha": float(t.get("dpace_alpha", 0.5)),
             "holdout_fraction": float(cfg["evaluate"]["holdout_fraction"])}
 
 
@@ -473,10 +474,28 @@ def peer_env() -> dict:
     return {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
 
 
+def specforge_loss(r: dict) -> dict:
+    """SpecForge's loss settings for our `loss_weighting`: decay -> its `dflash` loss at our gamma; none -> the same
+    without decay; dpace -> its `dpace` loss type, D-PACE alone (it has no decay factor: ours multiplies one)."""
+    if r["loss_weighting"] == "dpace":
+        return {"loss_type": "dpace", "dpace_alpha": r["dpace_alpha"]}
+    return {"loss_type": "dflash", "loss_decay_gamma": r["gamma"] if r["loss_weighting"] == "decay" else 0.0}
+
+
+def speculators_loss(r: dict) -> list:
+    """speculators' per-position weighting for our `loss_weighting`: decay -> fixed-exp-decay at our gamma; dpace
+    -> its dpace (D-PACE alone, gamma unused); none has no speculators equivalent."""
+    if r["loss_weighting"] == "dpace":
+        return ["--per-position-loss-weight", "dpace", "--dpace-alpha", r["dpace_alpha"]]
+    if r["loss_weighting"] == "decay":
+        return ["--per-position-loss-weight", "fixed-exp-decay", "--dflash-decay-gamma", r["gamma"]]
+    raise SystemExit(f"speculators has no per-position weighting like loss_weighting {r['loss_weighting']}")
+
+
 def stage_specforge(a) -> None:
     """SpecForge 0.2.0 offline DFlash training on the same samples, then its export to a DFlashDraftModel dir.
-    Settings: ours where SpecForge has the knob (lr, warmup, cosine, clip 1.0, anchors, gamma, max length,
-    epochs); its own where it has none (bf16 params + fp32-master AdamW (0.9, 0.999), FSDP wrapper). Batch:
+    Settings: ours where SpecForge has the knob (lr, warmup, cosine, clip 1.0, anchors, the loss weighting:
+    specforge_loss, max length, epochs); its own where it has none (bf16 params + fp32-master AdamW (0.9, 0.999), FSDP wrapper). Batch:
     `a.specforge_batch` (default 1, its default; its offline DFlash collate pads, so any batch works: anchors per
     sample, the loss a weighted ratio over the batch). `max_steps` is also its cosine horizon, so it is the
     optimizer steps the data gives: epochs x (samples // batch) (its loader drops the last partial batch).
@@ -505,7 +524,7 @@ def stage_specforge(a) -> None:
            "training": {"strategy": "dflash", "attention_backend": "flex_attention", "num_epochs": max(1, round(r["epochs"])),
                         "max_steps": steps, "batch_size": batch, "learning_rate": r["lr"], "lr_scheduler": "cosine",
                         "warmup_ratio": r["warmup_ratio"], "max_grad_norm": 1.0, "num_anchors": r["num_anchors"],
-                        "loss_type": "dflash", "loss_decay_gamma": r["gamma"], "log_interval": 5,
+                        **specforge_loss(r), "log_interval": 5,
                         "save_interval": every, "max_checkpoints": 2 if every else 0, "seed": 0},
            "tracking": {"report_to": "none"}}
     if point:
@@ -531,7 +550,7 @@ def stage_specforge(a) -> None:
 def stage_speculators(a) -> None:
     """speculators 0.9.0 offline DFlash training on the same samples (its ids = ours + 1), converted to a
     DFlashDraftModel dir. Settings: all layers full attention (its default is sliding window, causal in the
-    block), fixed-exp-decay gamma, CE, AdamW wd 0, cosine; its own packing (rows of max_length tokens, anchors
+    block), our loss weighting (speculators_loss), CE, AdamW wd 0, cosine; its own packing (rows of max_length tokens, anchors
     per row) and verifier-argmax labels; eager loss (its fused loss stops Dynamo under torch 2.11).
 
     Resumable (recipe_at_scale.py's peer-train): `a.checkpoint_steps` N saves every ~N steps (its sub-epoch
@@ -552,8 +571,7 @@ def stage_speculators(a) -> None:
     args = ["--verifier-name-or-path", target_dir(w), "--speculator-type", "dflash", "--data-path", w / "peer_spec",
             "--num-layers", n, "--target-layer-ids", *[i + 1 for i in r["target_layer_ids"]],
             "--full-attention-indices", *range(n), "--block-size", r["block_size"], "--mask-token-id", r["mask_token_id"],
-            "--max-anchors", anchors, "--loss-fn", "ce", "--per-position-loss-weight", "fixed-exp-decay",
-            "--dflash-decay-gamma", r["gamma"], "--optimizer", "adamw", "--lr", r["lr"], "--weight-decay", 0,
+            "--max-anchors", anchors, "--loss-fn", "ce", *speculators_loss(r), "--optimizer", "adamw", "--lr", r["lr"], "--weight-decay", 0,
             "--scheduler-type", "cosine", "--scheduler-warmup-ratio", r["warmup_ratio"], "--total-seq-len", r["max_length"],
             "--epochs", max(1, round(r["epochs"])), "--train-data-ratio", 0.99, "--save-path", w / "spec_out",
             "--log-freq", 5, "--num-workers", 4, "--hidden-states-backend", "file", "--on-missing", "raise",

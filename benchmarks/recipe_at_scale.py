@@ -92,8 +92,9 @@ TINY = {"records": 0, "max_turns": 3, "prompt_max_chars": 400, "shard_size": 8, 
 VARIANTS = {
     "paper": {},                                   # decay gamma 7, 512 anchors, 5 layers, data labels, lr 6e-4
     "no-weighting": {"loss_weighting": "none"},    # SpecForge's default
-    "dpace-gamma4": {"loss_weighting": "dpace", "gamma": 4.0},  # speculators' default
+    "dpace-gamma4": {"loss_weighting": "dpace", "gamma": 4.0},  # the workflow's default since 2026-12-07
     "dpace": {"loss_weighting": "dpace"},          # D-PACE at our gamma 7: the weighting or the gamma?
+    "dpace-alone": {"loss_weighting": "dpace", "gamma": 0.0},   # no decay: the peers' D-PACE
     "anchors-128": {"num_anchors": 128},
     "layers-3": {"num_layers": 3},                 # cheaper to serve
     "target-labels": {"labels": "target"},         # speculators' choice: the target's own argmax
@@ -731,7 +732,9 @@ def stage_train(a) -> None:
                 "--log-every", 10 if gpu else 1, "--acceptance-every", per_samples("acceptance_every", s),
                 *(["--compile"] if gpu else []))
             w.update(runs={run: {"trained": True, "train_wall_s": time.perf_counter() - t}})
-            write_json(w.results / f"train-{run}.json", train_summary(d / "drafter"))
+            # a run beside others (train_side_by_side's child) says so itself: its parent may be stopped first
+            shared = {"side_by_side": a.shared_gpu} if a.shared_gpu > 1 else {}
+            write_json(w.results / f"train-{run}.json", dict(train_summary(d / "drafter"), **shared))
         cli("export", "--drafter", d / "drafter", "--model", target_dir(w), "--out", w.drafters / run,
             "--dtype", "bfloat16")
         w.update(runs={run: {"exported": True}})
@@ -751,7 +754,7 @@ def train_side_by_side(a, w: Work) -> None:
     todo = [r for r in a.runs.split(",") if not ((w.progress().get("runs") or {}).get(r) or {}).get("exported")]
     (w.root / "logs").mkdir(parents=True, exist_ok=True)
     base = [sys.executable, str(Path(__file__).resolve()), "train", "--work", str(w.root), "--kit", a.kit,
-            "--out", a.out, "--device", a.device, *(["--tiny"] if a.tiny else []),
+            "--out", a.out, "--device", a.device, "--shared-gpu", str(a.parallel), *(["--tiny"] if a.tiny else []),
             *(["--target-dir", a.target_dir] if a.target_dir else [])]
     running: dict[str, subprocess.Popen] = {}
     failed = []
@@ -771,8 +774,6 @@ def train_side_by_side(a, w: Work) -> None:
                     failed.append(run)
                     log(f"train {run}: exit {proc.returncode}, see logs/train-{run}.log")
                     continue
-                res = w.results / f"train-{run}.json"
-                write_json(res, dict(read_json(res, {}) or {}, side_by_side=a.parallel))
                 if "evaluate" in a.stages:
                     stage_evaluate(a)
     except KeyboardInterrupt:
@@ -1045,10 +1046,11 @@ def shape_configs(w: Work, run: str, device: str) -> tuple[Path, Path]:
     return d / "drafter" / "drafter_config.json", d / "export" / "config.json"
 
 
-def peer_layout(w: Work, device: str) -> Path:
+def peer_layout(w: Work, device: str, loss: str = "decay") -> Path:
     """A work directory in real_target_side_by_side.py's layout, so its SpecForge and speculators stages run
     unchanged: the target, the config of our drafter they are compared with (the shape every side trains), this
-    run's train settings (overrides.yaml) and the peer subset's token shards."""
+    run's train settings (overrides.yaml: `loss` the peers' weighting, --peer-loss) and the peer subset's token
+    shards."""
     import yaml
 
     plan = read_json(w.results / "peer-plan.json")
@@ -1073,7 +1075,8 @@ def peer_layout(w: Work, device: str) -> Path:
         (p / "target").symlink_to(target_dir(w))
     s, _ = run_spec("paper@peer")
     (p / "overrides.yaml").write_text(yaml.safe_dump({
-        "train": {"num_anchors": s["num_anchors"], "gamma": s["gamma"], "max_length": SCALE["context"],
+        "train": {"num_anchors": s["num_anchors"], "gamma": s["gamma"], "loss_weighting": loss,
+                  "max_length": SCALE["context"],
                   "epochs": s["epochs"], "lr": s["lr"], "warmup_ratio": 0.04, "batch_size": s["batch_size"]},
         "evaluate": {"holdout_fraction": SCALE["holdout_fraction"]}}))
     (p / "logs").mkdir(exist_ok=True)
@@ -1296,13 +1299,15 @@ def peer_data(plan: dict | None) -> str:
 
 def peer_run_name(a, w: Work) -> str:
     """The peer's drafter name: `speculators`; `specforge` at our batch size, `specforge-bN` at another
-    (--specforge-batch 1: its default), so both can be trained and evaluated side by side; `@all` or `@peer`
+    (--specforge-batch 1: its default), so both can be trained and evaluated side by side; `-dpace` with
+    --peer-loss dpace; `@all` or `@peer`
     appended when the plan is not the `@sub` one (the first peer runs, on it, keep their names)."""
     data = peer_data(read_json(w.results / "peer-plan.json"))
     tag = "" if data == "sub" else f"@{data}"
+    loss = "-dpace" if getattr(a, "peer_loss", "decay") == "dpace" else ""
     if a.peer != "specforge" or not a.specforge_batch or a.specforge_batch == ours_batch(w):
-        return a.peer + tag
-    return f"specforge-b{a.specforge_batch}{tag}"
+        return a.peer + loss + tag
+    return f"specforge-b{a.specforge_batch}{loss}{tag}"
 
 
 def peer_checkpoint_steps(peer: str, seconds: float) -> int:
@@ -1353,7 +1358,7 @@ def stage_peer_train(a) -> None:
     run_name = peer_run_name(a, w)
     if (w.drafters / run_name / "config.json").exists():
         return
-    p = peer_layout(w, a.device)
+    p = peer_layout(w, a.device, a.peer_loss)
     dest = p / PEER_DIRS[a.peer]["data"]
     man = read_json(dest / "manifest.json")
     if man is None or missing_peer_files(dest, a.peer, man["samples"]):
@@ -1605,6 +1610,7 @@ def parse_args(argv=None):
     ap.add_argument("--runs", default="paper", help="train: VARIANT[@sub|@peer],... (" + ", ".join(VARIANTS) + ")")
     ap.add_argument("--parallel", type=int, default=1,
                     help="train: runs trained at once on the one GPU, each its own process (tokens/s then shared)")
+    ap.add_argument("--shared-gpu", type=int, default=1, help=argparse.SUPPRESS)  # --parallel's child: runs sharing
     ap.add_argument("--peer", choices=["specforge", "speculators"], default="speculators",
                     help="peer-data / peer-train / peer-clean: which peer")
     ap.add_argument("--peer-shards", type=int, default=0,
@@ -1625,6 +1631,9 @@ def parse_args(argv=None):
                          "a call stopped mid-training loses at most (0: no checkpoints before the end)")
     ap.add_argument("--peer-fresh", action="store_true",
                     help="peer-train: start the peer's training over instead of resuming its checkpoint")
+    ap.add_argument("--peer-loss", choices=["decay", "dpace"], default="decay",
+                    help="peer-data / peer-train: the peers' loss weighting: decay (the paper's, at gamma 7: the first "
+                         "peer runs) or dpace (each peer's own D-PACE, alone; runs named PEER-dpace)")
     ap.add_argument("--specforge-batch", type=int, default=0,
                     help="peer-train: SpecForge's batch size (0: ours, the compared run's; 1: SpecForge's default)")
     ap.add_argument("--bundle-optimizer", choices=["auto", "always", "never"], default="auto",

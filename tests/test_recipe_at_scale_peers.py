@@ -391,3 +391,32 @@ def test_speculators_checkpoint_interval_is_a_share_of_its_epoch(base, tmp_path,
             assert freq == round(every / (man["tokens"] * 0.99 / r["max_length"]), 6) and 0 < freq < 1
         else:
             assert "--checkpoint-freq" not in args
+
+
+def test_the_peers_loss_weighting_follows_peer_loss(base, tmp_path, request):
+    """--peer-loss dpace: SpecForge's `dpace` loss type and speculators' dpace weighting (D-PACE alone, no gamma),
+    in runs of their own name; the default keeps the paper's decay at our gamma. SpecForge's own schema (its
+    wheel, where the kit has it) accepts both training sections."""
+    import yaml
+
+    w, call = work_copy(base, tmp_path)
+    call("peer-plan", "peer-data", extra=("--peer", "specforge"))
+    sections = {}
+    for loss, want in (("decay", {"loss_type": "dflash", "loss_decay_gamma": ras.TINY["gamma"]}),
+                       ("dpace", {"loss_type": "dpace", "dpace_alpha": 0.5})):
+        with pytest.raises(SystemExit, match="specforge.cli train"):  # no SpecForge here: its command fails
+            call("peer-train", extra=("--peer", "specforge", "--peer-loss", loss))
+        t = sections[loss] = yaml.safe_load((w.peers / "sf.yaml").read_text())["training"]
+        assert {k: t.get(k) for k in want} == want
+    assert "loss_decay_gamma" not in sections["dpace"]
+    assert json.loads((w.peers / "sf_out.owner.json").read_text())["run"] == "specforge-dpace"
+    r = dict(sbs.recipe(w.peers), loss_weighting="dpace")
+    assert sbs.speculators_loss(r) == ["--per-position-loss-weight", "dpace", "--dpace-alpha", 0.5]
+    assert sbs.speculators_loss(dict(r, loss_weighting="decay"))[:2] == ["--per-position-loss-weight",
+                                                                         "fixed-exp-decay"]
+    with pytest.raises(SystemExit, match="no per-position weighting"):
+        sbs.speculators_loss(dict(r, loss_weighting="none"))
+    (schema,) = wheel_modules(tmp_path, request, "specforge", "specforge.config.schema")
+    for t in sections.values():
+        checked = schema.TrainingConfig(**t)
+        assert checked.loss_type == t["loss_type"]
