@@ -150,6 +150,13 @@ class Work:
     def progress(self) -> dict:
         return read_json(self.progress_path, {}) or {}
 
+    def runs(self) -> dict:
+        """progress.json's {run: its state}."""
+        return self.progress().get("runs") or {}
+
+    def run_state(self, run: str) -> dict:
+        return self.runs().get(run) or {}
+
     def update(self, **kv) -> dict:
         """Merge kv into progress.json (nested dicts merged, not replaced); runs trained side by side (--parallel)
         update it from several processes, so the read-merge-write holds a lock and the file is replaced whole."""
@@ -718,7 +725,7 @@ def stage_train(a) -> None:
     if a.parallel > 1:
         return train_side_by_side(a, w)
     for run in a.runs.split(","):
-        st = (w.progress().get("runs") or {}).get(run) or {}
+        st = w.run_state(run)
         if st.get("exported"):
             continue
         s, subset = run_spec(run)
@@ -751,7 +758,7 @@ def train_side_by_side(a, w: Work) -> None:
     waits for them before it stops."""
     import subprocess
 
-    todo = [r for r in a.runs.split(",") if not ((w.progress().get("runs") or {}).get(r) or {}).get("exported")]
+    todo = [r for r in a.runs.split(",") if not w.run_state(r).get("exported")]
     (w.root / "logs").mkdir(parents=True, exist_ok=True)
     base = [sys.executable, str(Path(__file__).resolve()), "train", "--work", str(w.root), "--kit", a.kit,
             "--out", a.out, "--device", a.device, "--shared-gpu", str(a.parallel), *(["--tiny"] if a.tiny else []),
@@ -975,7 +982,7 @@ def stage_peer_plan(a) -> None:
         if busy:
             raise SystemExit(f"peer-plan: {', '.join(busy)}'s files of the current plan ({was}) are still here: "
                              f"peer-clean --peer {busy[0]} first")
-        tagged = [r for r in (w.progress().get("runs") or {}) if r.endswith("@peer")]  # @sub, @all: no other data
+        tagged = [r for r in w.runs() if r.endswith("@peer")]  # @sub, @all: no other data
         if tagged:
             raise SystemExit(f"peer-plan: {', '.join(tagged)} trained on the current plan ({was}); a new plan would "
                              "give their names a second data set")
@@ -1055,7 +1062,7 @@ def peer_layout(w: Work, device: str, loss: str = "decay") -> Path:
 
     plan = read_json(w.results / "peer-plan.json")
     run = ours_for_peers(plan)
-    if plan is None or not (w.progress().get("runs") or {}).get(run, {}).get("exported"):
+    if plan is None or not w.run_state(run).get("exported"):
         raise SystemExit(f"peers: run peer-plan and train --runs {run} first (the shape and recipe they copy)")
     drafter_config, engine_config = shape_configs(w, run, device)
     p = w.peers
@@ -1365,7 +1372,7 @@ def stage_peer_train(a) -> None:
         raise SystemExit(f"peer-train {a.peer}: its files are not all there (peer-data --peer {a.peer} first)")
     owner = peer_owner(a, w, man)
     step = peer_resume(a.peer, p, owner, a.peer_fresh)
-    st = ((w.progress().get("runs") or {}).get(run_name) or {}).get("peer_train") or {}
+    st = w.run_state(run_name).get("peer_train") or {}
     calls = ((st.get("calls") or []) if step is not None else []) + [{"from_step": step or 0}]
     w.update(runs={run_name: {"data": peer_data(read_json(w.results / "peer-plan.json")),
                               "peer_train": {"calls": calls}}})
@@ -1558,7 +1565,7 @@ def stage_table(a) -> None:
     w = Work(a.work)
     evals = {p.stem.removeprefix("eval-"): read_json(p) for p in sorted(w.results.glob("eval-*.json"))}
     cats = sorted({c for e in evals.values() for c in e["greedy"] if c != "pooled"})
-    runs = w.progress().get("runs") or {}
+    runs = w.runs()
     head = ["run", "data", "steps", "train tok/s"] + [f"{c} g/T.7" for c in cats] + ["pooled greedy", "pooled T=0.7",
                                                                                       "lossless"]
     rows = []
