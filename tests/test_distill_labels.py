@@ -19,29 +19,34 @@ def _case(t=37, h=16, v=301, seed=0):
 def test_chunked_soft_ce_equals_the_plain_path_values_and_gradients(chunk):
     hidden, weight, target_hidden = _case()
     a = hidden.clone().requires_grad_()
-    ce_a, top_a, y_a = head_soft_cross_entropy(a, weight, target_hidden, 0)
+    ce_a, top_a, y_a, nll_a = head_soft_cross_entropy(a, weight, target_hidden, 0)
     (ce_a * torch.linspace(0.1, 1.0, len(ce_a))).sum().backward()
     b = hidden.clone().requires_grad_()
-    ce_b, top_b, y_b = head_soft_cross_entropy(b, weight, target_hidden, chunk)
+    ce_b, top_b, y_b, nll_b = head_soft_cross_entropy(b, weight, target_hidden, chunk)
     (ce_b * torch.linspace(0.1, 1.0, len(ce_b))).sum().backward()
     assert torch.allclose(ce_a, ce_b, atol=1e-5) and torch.equal(top_a, top_b) and torch.equal(y_a, y_b)
     assert torch.allclose(a.grad, b.grad, atol=1e-5)
     with torch.no_grad():  # without a gradient to keep: the same values by the cheaper path
-        ce_c, top_c, y_c = head_soft_cross_entropy(hidden, weight, target_hidden, chunk)
+        ce_c, top_c, y_c, nll_c = head_soft_cross_entropy(hidden, weight, target_hidden, chunk)
     assert torch.allclose(ce_c, ce_a.detach(), atol=1e-5) and torch.equal(top_c, top_a) and torch.equal(y_c, y_a)
     # the definition: -sum_v p_v log q_v, p the target's softmax through the same head
     p = torch.softmax(target_hidden @ weight.T, -1)
     ref = -(p * torch.log_softmax(hidden @ weight.T, -1)).sum(-1)
     assert torch.allclose(ce_a, ref, atol=1e-5) and torch.equal(y_a, p.argmax(-1))
+    # D-PACE's estimate: -log q of the target's greedy token, the same on every path, with no gradient
+    log_q = torch.log_softmax(hidden @ weight.T, -1)
+    nll_ref = -log_q.gather(1, y_a[:, None]).squeeze(1)
+    for nll in (nll_a, nll_b, nll_c):
+        assert torch.allclose(nll, nll_ref, atol=1e-5) and not nll.requires_grad
 
 
 def test_a_sharp_target_distribution_is_the_hard_label_and_a_flat_one_is_not():
     hidden, weight, target_hidden = _case()
     sharp = target_hidden * 200.0  # a near one-hot distribution on the target's argmax
-    ce_soft, _, y = head_soft_cross_entropy(hidden, weight, sharp, 8)
+    ce_soft, _, y, _ = head_soft_cross_entropy(hidden, weight, sharp, 8)
     ce_hard, _ = head_cross_entropy(hidden, weight, y, 8)
     assert torch.allclose(ce_soft, ce_hard, atol=1e-3)
-    ce_flat, _, _ = head_soft_cross_entropy(hidden, weight, torch.zeros_like(target_hidden), 8)
+    ce_flat, _, _, _ = head_soft_cross_entropy(hidden, weight, torch.zeros_like(target_hidden), 8)
     uniform = -torch.log_softmax(hidden @ weight.T, -1).mean(-1)
     assert torch.allclose(ce_flat, uniform, atol=1e-5) and not torch.allclose(ce_flat, ce_hard, atol=1e-2)
 

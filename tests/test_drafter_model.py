@@ -294,6 +294,25 @@ def test_loss_weightings_decay_dpace_none(parts):
     assert losses[1] - losses[0] > 1e-4 and losses[2] - losses[1] > 1e-4
 
 
+def test_dpace_under_soft_labels_weighs_by_the_drafters_probability_of_the_targets_greedy_token(parts):
+    """labels: distill with D-PACE: q_j is the drafter's probability of the target's argmax, so the weights are
+    those of hard labels equal to that argmax (the same weight sum), not of exp(-soft CE), which also falls with
+    the target's own entropy."""
+    cfg, head, drafter, target = parts
+    batch, feats = _batch(cfg, target, lengths=(30, 26), prompt=10, anchors=5)
+    g = torch.Generator().manual_seed(1)
+    soft = torch.randn(*batch.input_ids.shape, cfg.hidden_size, generator=g) * 3.0
+    with torch.no_grad():
+        greedy = head.lm_head(soft).argmax(-1)
+        kw = dict(weighting="dpace", dpace_alpha=0.3)
+        soft_loss = block_loss(drafter, head, batch, feats, 4.0, soft=soft, **kw)
+        hard_loss = block_loss(drafter, head, batch, feats, 4.0, labels=greedy, **kw)
+        decay = block_loss(drafter, head, batch, feats, 4.0, soft=soft, weighting="decay")
+    assert abs(float(soft_loss.weight_sum) - float(hard_loss.weight_sum)) < 1e-4 * float(hard_loss.weight_sum)
+    assert abs(float(soft_loss.loss) - float(hard_loss.loss)) > 1e-3  # the soft CE is scored, not the hard one
+    assert abs(float(soft_loss.weight_sum) - float(decay.weight_sum)) > 1e-3
+
+
 def test_heldout_acceptance_is_the_leading_run_of_greedy_matches(parts):
     """block_acceptance against a per-block reference: each block drafted alone, its argmax compared with
     the data position by position until the first miss (or an unsupervised / out-of-range label)."""

@@ -123,7 +123,7 @@ def _fails_at_once(proc) -> list[str]:
 
 
 def test_snakemake_stops_before_any_job(tmp_path, tiny_target):
-    """Through the real Snakefile: soft labels with an offline mode and D-PACE, a user's model directory without its
+    """Through the real Snakefile: soft labels with the offline mode, a user's model directory without its
     tokenizer and a missing input, then sglang that is not installed (local profile); local inputs on Kubernetes;
     a SLURM profile without calibrate's placement."""
     work = make_workdir(tmp_path / "w")
@@ -132,19 +132,18 @@ def test_snakemake_stops_before_any_job(tmp_path, tiny_target):
     (model / "tokenizer.json").unlink()
     user = {"demo": {"enabled": False}, "inputs": [str(tmp_path / "missing.jsonl")],
             "target": {"model_path": str(model)}, "generate": {"backend": "sglang", "gpus": 1},
-            "train": {"labels": "distill"}}  # offline and D-PACE by default: neither goes with soft labels
+            "train": {"labels": "distill"}}  # offline by default: soft labels need the target beside the drafter
     (work / "user.yaml").write_text(yaml.safe_dump(user))
     lines = _fails_at_once(snakemake(work, "-n", configfiles=("user.yaml",), check=False))
     train = [ln for ln in lines if "train.labels: distill" in ln]
-    assert len(lines) == 4 and len(train) == 2, lines
-    assert "needs train.mode: online" in train[0] and "train.loss_weighting: dpace (the default" in train[1]
+    assert len(lines) == 3 and len(train) == 1 and "needs train.mode: online" in train[0], lines
     lines = [ln for ln in lines if ln not in train]
     assert f"{model}: missing the tokenizer (" in lines[0] and "chat template" not in lines[0], lines[0]
     assert "missing.jsonl: no such file" in lines[1]
     # fixed; sglang is checked when the DAG holds the first job that starts it (calibrate), before any job runs
     shutil.copy(tiny_target / "tokenizer.json", model / "tokenizer.json")
     (tmp_path / "missing.jsonl").write_text("")
-    user["train"].update(mode="online", loss_weighting="decay")
+    user["train"]["mode"] = "online"
     (work / "user.yaml").write_text(yaml.safe_dump(user))
     (line,) = _fails_at_once(snakemake(work, "-n", configfiles=("user.yaml",), check=False))
     assert "sglang is not installed" in line, line

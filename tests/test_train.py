@@ -276,26 +276,24 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one_and_new_data_rest
 @pytest.mark.parametrize("labels", ["data", "target", "distill"])
 def test_online_training_in_the_packed_layout_matches_the_padded(tiny_target, token_shards, tmp_path, labels):
     """`--layout packed` online (the GPU's auto layout with compile): the same steps' losses as the padded layout
-    to float precision; with target labels and with the target's distributions (distill) too."""
+    to float precision, under the default D-PACE weighting; with target labels and with the target's
+    distributions (distill) too."""
     losses = {}
     for layout in ("padded", "packed"):
         out = tmp_path / layout
         assert run_in_process(*_train_args(tiny_target, token_shards, out / "out", out / "ckpt", layout=layout,
-                                           labels=labels, acceptance_every=0,
-                                           loss_weighting="decay" if labels == "distill" else "dpace")) == 0
+                                           labels=labels, acceptance_every=0)) == 0
         recs = [json.loads(ln) for ln in (out / "out" / "metrics.jsonl").read_text().splitlines()]
         losses[layout] = [r["loss"] for r in recs]
     assert len(losses["packed"]) == len(losses["padded"]) == 4
     assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-4)
 
 
-def test_distill_labels_need_the_target_beside_the_drafter_and_no_dpace(tiny_target, token_shards, tmp_path, capsys):
-    """`--labels distill` reads the target's distributions while it trains: offline shards hold none, and D-PACE
-    (exp(-CE) of one label as an acceptance estimate) has no meaning for a soft CE; both stop before any work."""
-    rc = run_in_process(*_train_args(tiny_target, token_shards, tmp_path / "a", tmp_path / "a-ck", mode="offline",
-                                     labels="distill"))
-    assert rc != 0 and "train.labels: distill needs train.mode: online" in capsys.readouterr().err
-    rc = run_in_process(*_train_args(tiny_target, token_shards, tmp_path / "b", tmp_path / "b-ck", labels="distill",
-                                     loss_weighting="dpace"))
-    assert rc != 0 and "train.labels: distill with train.loss_weighting: dpace" in capsys.readouterr().err
-    assert not (tmp_path / "a-ck").exists() and not (tmp_path / "b-ck").exists()
+def test_target_and_distill_labels_need_the_target_beside_the_drafter(tiny_target, token_shards, tmp_path, capsys):
+    """`--labels target|distill` read the target's predictions while it trains: offline shards hold none, so
+    both stop before any work."""
+    for labels in ("target", "distill"):
+        rc = run_in_process(*_train_args(tiny_target, token_shards, tmp_path / labels, tmp_path / f"{labels}-ck",
+                                         mode="offline", labels=labels))
+        assert rc != 0 and f"train.labels: {labels} needs train.mode: online" in capsys.readouterr().err
+        assert not (tmp_path / f"{labels}-ck").exists()

@@ -43,35 +43,42 @@ def _on(device: torch.device, fn):
     return _COMPILED[fn.__name__]
 
 
-def _soft_ce_and_grad(logits: torch.Tensor, target_logits: torch.Tensor):
-    """(soft ce fp32, argmax, the target's argmax, d ce / d logits = softmax - p) of one chunk."""
-    lf, tf = logits.float(), target_logits.float()
+def _soft_terms(lf: torch.Tensor, tf: torch.Tensor):
+    """(soft ce, argmax, the target's argmax y, -log q_y, log-sum-exp, p) of one chunk's fp32 logits (drafter's,
+    target's); -log q_y, the drafter's CE against the target's greedy token, is D-PACE's acceptance estimate."""
     lse = torch.logsumexp(lf, dim=-1)
     p = torch.softmax(tf, dim=-1)
-    ce = lse - (p * lf).sum(-1)
-    grad = (lf - lse[:, None]).exp() - p
-    return ce, lf.argmax(-1), tf.argmax(-1), grad.to(logits.dtype)
+    y = tf.argmax(-1)
+    return lse - (p * lf).sum(-1), lf.argmax(-1), y, lse - lf.gather(1, y[:, None]).squeeze(1), lse, p
+
+
+def _soft_ce_and_grad(logits: torch.Tensor, target_logits: torch.Tensor):
+    """(soft ce fp32, argmax, the target's argmax, -log q of it, d ce / d logits = softmax - p) of one chunk."""
+    lf = logits.float()
+    ce, top, y, nll_y, lse, p = _soft_terms(lf, target_logits.float())
+    return ce, top, y, nll_y, ((lf - lse[:, None]).exp() - p).to(logits.dtype)
 
 
 def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, need_grad: bool):
-    """(ce [n] fp32, argmax [n], label [n], d ce / d h [n, H] or None) of one chunk of hidden rows. `target`: the
-    chunk's labels (token ids), or the target's final hidden states (soft CE against their distribution; the
-    label is then the target's argmax)."""
+    """(ce [n] fp32, argmax [n], label [n], -log q(label) [n], d ce / d h [n, H] or None) of one chunk of hidden
+    rows. `target`: the chunk's labels (token ids; -log q(label) is then the ce), or the target's final hidden
+    states (soft CE against their distribution; the label is then the target's argmax)."""
     logits = F.linear(h, weight)
     if target.is_floating_point():
         target_logits = F.linear(target.to(weight.dtype), weight)
         if not need_grad:
-            lf, tf = logits.float(), target_logits.float()
-            ce = torch.logsumexp(lf, -1) - (torch.softmax(tf, -1) * lf).sum(-1)
-            return ce, lf.argmax(-1), tf.argmax(-1), None
-        ce, top, y, grad = _on(logits.device, _soft_ce_and_grad)(logits, target_logits)
+            ce, top, y, nll_y, _, _ = _soft_terms(logits.float(), target_logits.float())
+            return ce, top, y, nll_y, None
+        ce, top, y, nll_y, grad = _on(logits.device, _soft_ce_and_grad)(logits, target_logits)
     else:
         y = target
         if not need_grad:
             lf = logits.float()
-            return torch.logsumexp(lf, -1) - lf.gather(1, y[:, None]).squeeze(1), lf.argmax(-1), y, None
+            ce = torch.logsumexp(lf, -1) - lf.gather(1, y[:, None]).squeeze(1)
+            return ce, lf.argmax(-1), y, ce.clone(), None
         ce, top, grad = _on(logits.device, _ce_and_grad)(logits, y)
-    return ce, top, y, grad.to(weight.dtype) @ weight
+        nll_y = ce.detach().clone()
+    return ce, top, y, nll_y, grad.to(weight.dtype) @ weight
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
@@ -80,21 +87,23 @@ class _ChunkedHeadCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, chunk):
         need = ctx.needs_input_grad[0]
-        ces, tops, ys, grads = [], [], [], []
+        ces, tops, ys, nlls, grads = [], [], [], [], []
         for i in range(0, hidden.shape[0], chunk):
-            ce, top, y, g = _chunk_stats(hidden[i:i + chunk].to(weight.dtype), weight, target[i:i + chunk], need)
+            ce, top, y, nll_y, g = _chunk_stats(hidden[i:i + chunk].to(weight.dtype), weight, target[i:i + chunk],
+                                                need)
             ces.append(ce)
             tops.append(top)
             ys.append(y)
+            nlls.append(nll_y)
             grads.append(g)
         ctx.save_for_backward(torch.cat(grads) if need else None)
         ctx.hidden_dtype = hidden.dtype
-        top, y = torch.cat(tops), torch.cat(ys)
-        ctx.mark_non_differentiable(top, y)
-        return torch.cat(ces), top, y
+        top, y, nll_y = torch.cat(tops), torch.cat(ys), torch.cat(nlls)
+        ctx.mark_non_differentiable(top, y, nll_y)
+        return torch.cat(ces), top, y, nll_y
 
     @staticmethod
-    def backward(ctx, grad_ce, _grad_top, _grad_y):
+    def backward(ctx, grad_ce, _grad_top, _grad_y, _grad_nll):
         (dce_dh,) = ctx.saved_tensors
         grad = None if dce_dh is None else (dce_dh.float() * grad_ce[:, None]).to(ctx.hidden_dtype)
         return grad, None, None, None
@@ -109,20 +118,22 @@ def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
     if chunk <= 0:
         logits = F.linear(hidden.to(weight.dtype), weight)
         return F.cross_entropy(logits.float(), labels, reduction="none"), logits.detach().argmax(-1)
-    ce, top, _ = _ChunkedHeadCE.apply(hidden, weight, labels, int(chunk))
+    ce, top, _, _ = _ChunkedHeadCE.apply(hidden, weight, labels, int(chunk))
     return ce, top
 
 
 def head_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_hidden: torch.Tensor,
-                            chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-token soft CE [T] fp32, argmax [T], the target's argmax [T]) of `hidden` [T, H] through the frozen
-    head `weight` [V, H], against the distribution of the target's final hidden state `target_hidden` [T, H]
-    (no gradient) through the same head. chunk 0: the plain path (autograd through all logits at once)."""
+                            chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token soft CE [T] fp32, argmax [T], the target's argmax y [T], -log q_y [T] detached) of `hidden`
+    [T, H] through the frozen head `weight` [V, H], against the distribution of the target's final hidden state
+    `target_hidden` [T, H] (no gradient) through the same head; q_y is the drafter's probability of the target's
+    greedy token (D-PACE's acceptance estimate). chunk 0: the plain path (autograd through all logits at once)."""
     target_hidden = target_hidden.detach()
     if chunk <= 0:
         logits = F.linear(hidden.to(weight.dtype), weight).float()
         with torch.no_grad():
             target_logits = F.linear(target_hidden.to(weight.dtype), weight).float()
+            _, top, y, nll_y, _, _ = _soft_terms(logits.detach(), target_logits)
         ce = F.cross_entropy(logits, torch.softmax(target_logits, -1), reduction="none")
-        return ce, logits.detach().argmax(-1), target_logits.argmax(-1)
+        return ce, top, y, nll_y
     return _ChunkedHeadCE.apply(hidden, weight, target_hidden, int(chunk))

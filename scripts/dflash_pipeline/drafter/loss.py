@@ -12,7 +12,9 @@ normalized by the sum of weights. Weightings (`train.loss_weighting`):
   the batch's samples, not the weight sum. `gamma: 0` here is D-PACE alone;
 - none: w_k = 1 (SpecForge's default).
 With `soft` (train.labels: distill, online) each scored token's CE is against the target's whole next-token
-distribution (head_loss.py); its accuracy counts the target's argmax as the label.
+distribution (head_loss.py); its accuracy counts the target's argmax as the label, and D-PACE's q_j is the
+drafter's probability of that argmax (what greedy verification accepts; exp(-soft CE) would also fall with the
+target's own entropy).
 """
 
 from __future__ import annotations
@@ -85,8 +87,6 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features:
     hidden = draft_all_blocks(drafter, head, batch, features, attention, compute_dtype)   # [B, N*bs, H]
     if weighting not in WEIGHTINGS:
         raise ValueError(f"loss weighting {weighting!r} is not one of {WEIGHTINGS}")
-    if soft is not None and weighting == "dpace":
-        raise ValueError("dpace weighting reads exp(-CE) as an acceptance estimate: not defined for soft labels")
     y, w, pos_k, index = scored_labels(batch, batch.input_ids if labels is None else labels, bs,
                                        0.0 if weighting == "none" else gamma)
     scored = int(index.shape[0])  # a shape: known on the host
@@ -96,11 +96,12 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features:
     scored_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
     if soft is None:
         ce, top = head_cross_entropy(scored_hidden, head.lm_head.weight, y, head_chunk)
-    else:
-        ce, top, y = head_soft_cross_entropy(scored_hidden, head.lm_head.weight,
-                                             scored_rows(batch, soft, index, bs), head_chunk)
+        nll_y = ce
+    else:  # D-PACE's q: the drafter's probability of the target's greedy token, not exp(-soft CE)
+        ce, top, y, nll_y = head_soft_cross_entropy(scored_hidden, head.lm_head.weight,
+                                                    scored_rows(batch, soft, index, bs), head_chunk)
     if weighting == "dpace":
-        w = w * dpace_weights(ce, index, hidden.shape[0] * hidden.shape[1], bs, dpace_alpha)
+        w = w * dpace_weights(nll_y, index, hidden.shape[0] * hidden.shape[1], bs, dpace_alpha)
     wsum = w.sum()
     loss = (ce * w).sum() / wsum
     with torch.no_grad():

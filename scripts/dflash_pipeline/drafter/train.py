@@ -441,7 +441,7 @@ def _run(args) -> int:
 
 def train(s, job: TrainJob) -> int:
     """One training run: `s` the typed train settings (config train: and drafter: keys), `job` its files."""
-    problems = train_problems(s.mode, s.labels, s.loss_weighting)
+    problems = train_problems(s.mode, s.labels)
     if problems:
         raise PipelineError("; ".join(problems))
     check_output_dirs("train", checkpoint_dir=job.checkpoint_dir, out=job.out)  # before any work, not after it

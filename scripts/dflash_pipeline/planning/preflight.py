@@ -287,7 +287,7 @@ def workflow_problems(workflow, config: dict, *, results: str, inputs: dict[str,
     executor = executor_name(argv, env)
     storage = workflow.storage_settings
     train = config.get("train") or {}
-    problems = train_problems(train.get("mode"), train.get("labels"), train.get("loss_weighting"))
+    problems = train_problems(train.get("mode"), train.get("labels"))
     if target is not None and executor != "kubernetes":  # a pod's model lives in its image
         problems += target_problems(target)
     remote = f"{storage.default_storage_provider} {storage.default_storage_prefix or ''}" \
