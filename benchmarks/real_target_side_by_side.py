@@ -376,7 +376,8 @@ def recipe(w: Path) -> dict:
             "mask_token_id": int(dcfg["mask_token_id"]), "num_anchors": int(t["num_anchors"]),
             "gamma": float(t["gamma"]), "max_length": int(t["max_length"]), "epochs": float(t["epochs"]),
             "lr": float(t["lr"]), "warmup_ratio": float(t["warmup_ratio"]), "batch_size": int(t["batch_size"]),
-            "loss_weighting": str(t.get("loss_weighting") or "decay"), "dpace_alpha": float(t.get("dpace_alpha", 0.5)),
+            "loss_weighting": str(t.get("loss_weighting") or "decay"),
+            "dpace_alpha": float(t.get("dpace_alpha", 0.5)),
             "holdout_fraction": float(cfg["evaluate"]["holdout_fraction"])}
 
 
@@ -495,10 +496,11 @@ def speculators_loss(r: dict) -> list:
 def stage_specforge(a) -> None:
     """SpecForge 0.2.0 offline DFlash training on the same samples, then its export to a DFlashDraftModel dir.
     Settings: ours where SpecForge has the knob (lr, warmup, cosine, clip 1.0, anchors, the loss weighting:
-    specforge_loss, max length, epochs); its own where it has none (bf16 params + fp32-master AdamW (0.9, 0.999), FSDP wrapper). Batch:
-    `a.specforge_batch` (default 1, its default; its offline DFlash collate pads, so any batch works: anchors per
-    sample, the loss a weighted ratio over the batch). `max_steps` is also its cosine horizon, so it is the
-    optimizer steps the data gives: epochs x (samples // batch) (its loader drops the last partial batch).
+    specforge_loss, max length, epochs); its own where it has none (bf16 params + fp32-master AdamW (0.9, 0.999),
+    FSDP wrapper). Batch: `a.specforge_batch` (default 1, its default; its offline DFlash collate pads, so any batch
+    works: anchors per sample, the loss a weighted ratio over the batch). `max_steps` is also its cosine horizon,
+    so it is the optimizer steps the data gives: epochs x (samples // batch) (its loader drops the last partial
+    batch).
 
     Resumable (recipe_at_scale.py's peer-train): `a.checkpoint_steps` N saves a checkpoint every N optimizer steps
     (its save_interval, the newest 2 kept) and `a.resume` goes on from the newest complete one in sf_out
@@ -550,8 +552,8 @@ def stage_specforge(a) -> None:
 def stage_speculators(a) -> None:
     """speculators 0.9.0 offline DFlash training on the same samples (its ids = ours + 1), converted to a
     DFlashDraftModel dir. Settings: all layers full attention (its default is sliding window, causal in the
-    block), our loss weighting (speculators_loss), CE, AdamW wd 0, cosine; its own packing (rows of max_length tokens, anchors
-    per row) and verifier-argmax labels; eager loss (its fused loss stops Dynamo under torch 2.11).
+    block), our loss weighting (speculators_loss), CE, AdamW wd 0, cosine; its own packing (rows of max_length
+    tokens, anchors per row) and verifier-argmax labels; eager loss (its fused loss stops Dynamo under torch 2.11).
 
     Resumable (recipe_at_scale.py's peer-train): `a.checkpoint_steps` N saves every ~N steps (its sub-epoch
     --checkpoint-freq, a share of the epoch's packed rows) and `a.resume` goes on from spec_out's newest consistent
@@ -571,7 +573,8 @@ def stage_speculators(a) -> None:
     args = ["--verifier-name-or-path", target_dir(w), "--speculator-type", "dflash", "--data-path", w / "peer_spec",
             "--num-layers", n, "--target-layer-ids", *[i + 1 for i in r["target_layer_ids"]],
             "--full-attention-indices", *range(n), "--block-size", r["block_size"], "--mask-token-id", r["mask_token_id"],
-            "--max-anchors", anchors, "--loss-fn", "ce", *speculators_loss(r), "--optimizer", "adamw", "--lr", r["lr"], "--weight-decay", 0,
+            "--max-anchors", anchors, "--loss-fn", "ce", *speculators_loss(r), "--optimizer", "adamw", "--lr", r["lr"],
+            "--weight-decay", 0,
             "--scheduler-type", "cosine", "--scheduler-warmup-ratio", r["warmup_ratio"], "--total-seq-len", r["max_length"],
             "--epochs", max(1, round(r["epochs"])), "--train-data-ratio", 0.99, "--save-path", w / "spec_out",
             "--log-freq", 5, "--num-workers", 4, "--hidden-states-backend", "file", "--on-missing", "raise",

@@ -134,6 +134,15 @@ def cli(*args) -> int:
     return rc
 
 
+def write_json_whole(path: Path, data) -> None:
+    """write_json through a temporary file and a rename (storage.atomic_path): a call stopped mid-way leaves the
+    old file or the new one."""
+    from dflash_pipeline import storage
+
+    with storage.atomic_path(path) as tmp:
+        write_json(tmp, data)
+
+
 class Work:
     """Paths of one run's state under --work (everything a cold machine must rebuild or get from the bundle)."""
 
@@ -162,8 +171,6 @@ class Work:
         update it from several processes, so the read-merge-write holds a lock and the file is replaced whole."""
         import fcntl
 
-        from dflash_pipeline import storage
-
         def merge(base: dict, new: dict) -> dict:
             for k, v in new.items():
                 base[k] = merge(dict(base.get(k) or {}), v) if isinstance(v, dict) else v
@@ -173,8 +180,7 @@ class Work:
         with open(self.root / "progress.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             p = merge(self.progress(), kv)
-            with storage.atomic_path(self.progress_path) as tmp:
-                write_json(tmp, p)
+            write_json_whole(self.progress_path, p)
         return p
 
 
@@ -695,6 +701,8 @@ def run_spec(run: str) -> tuple[dict, bool]:
         raise SystemExit(f"unknown run {run!r}: VARIANT[+VARIANT][@sub|@peer] with VARIANT one of "
                          f"{', '.join(VARIANTS)}")
     s = {k: SCALE[k] for k in ("num_layers", "num_anchors", "batch_size", "epochs", "lr", "gamma", "layout")}
+    # the paper's recipe, not the package's defaults: a variant's name keeps the meaning of the runs measured before
+    # the defaults moved (D-PACE since 2026-12-07)
     s.update(loss_weighting="decay", labels="data", adam_beta2=0.95, layer_init="random")
     for p in parts:
         s.update(VARIANTS[p])
@@ -1179,13 +1187,6 @@ def remove_peer_files(w: Work, peer: str, shm_root: str | Path) -> None:
         if Path(d).name == peer:  # never more than a peer's own folder
             shutil.rmtree(d, ignore_errors=True)
     shutil.rmtree(dest, ignore_errors=True)  # its links go, not what they point to
-
-
-def write_json_whole(path: Path, data) -> None:
-    """write_json through NAME.partial and a rename: a call stopped mid-way leaves the old file or the new one."""
-    tmp = path.with_name(path.name + ".partial")
-    write_json(tmp, data)
-    os.replace(tmp, path)
 
 
 def missing_peer_files(dest: Path, peer: str, n: int) -> int:

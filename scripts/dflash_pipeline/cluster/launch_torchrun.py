@@ -202,13 +202,15 @@ def run_forwarding_stop_signals(cmd: list[str]) -> int:
     import contextlib
     import signal
 
+    from dflash_pipeline.drafter.stop_signals import STOP_SIGNALS
+
     proc = subprocess.Popen(cmd)
 
     def forward(signum, frame):
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         return proc.wait()
     finally:

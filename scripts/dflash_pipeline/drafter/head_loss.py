@@ -75,9 +75,9 @@ def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ne
         if not need_grad:
             lf = logits.float()
             ce = torch.logsumexp(lf, -1) - lf.gather(1, y[:, None]).squeeze(1)
-            return ce, lf.argmax(-1), y, ce.clone(), None
+            return ce, lf.argmax(-1), y, ce, None  # forward's torch.cat gives each output its own storage
         ce, top, grad = _on(logits.device, _ce_and_grad)(logits, y)
-        nll_y = ce.detach().clone()
+        nll_y = ce.detach()
     return ce, top, y, nll_y, grad.to(weight.dtype) @ weight
 
 
@@ -133,7 +133,7 @@ def head_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_h
         logits = F.linear(hidden.to(weight.dtype), weight).float()
         with torch.no_grad():
             target_logits = F.linear(target_hidden.to(weight.dtype), weight).float()
-            _, top, y, nll_y, _, _ = _soft_terms(logits.detach(), target_logits)
-        ce = F.cross_entropy(logits, torch.softmax(target_logits, -1), reduction="none")
+            _, top, y, nll_y, _, p = _soft_terms(logits.detach(), target_logits)
+        ce = F.cross_entropy(logits, p, reduction="none")
         return ce, top, y, nll_y
     return _ChunkedHeadCE.apply(hidden, weight, target_hidden, int(chunk))
