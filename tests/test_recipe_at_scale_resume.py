@@ -303,6 +303,10 @@ def test_run_names_combine_variants_left_to_right():
         assert cmd[cmd.index("--adam-beta2") + 1] == str(beta2)
     cmd = ras.train_command(ras.Work("/w"), ras.run_spec("batch-4+init-last@sub")[0], [], Path("/d"), "cpu")
     assert cmd[cmd.index("--layer-init") + 1] == "target-last"
+    # the noise run: the same recipe from another seed; every other run keeps seed 0
+    for run, seed in (("batch-4+dpace-gamma4+seed-1@sub", "1"), ("batch-4+dpace-gamma4@sub", "0")):
+        cmd = [str(x) for x in ras.train_command(ras.Work("/w"), ras.run_spec(run)[0], [], Path("/d"), "cpu")]
+        assert cmd[cmd.index("--seed") + 1] == seed
     for bad in ("batch-4+nope", "paper@half", "+paper"):
         with pytest.raises(SystemExit, match="unknown run"):
             ras.run_spec(bad)
