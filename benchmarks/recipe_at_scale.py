@@ -117,6 +117,9 @@ VARIANTS = {
     "init-first": {"layer_init": "target-first"},
     # the same run from another seed (init, data order, anchors): the run-to-run noise every "tie" above assumes
     "seed-1": {"seed": 1},
+    # SpecForge's D-PACE divides by the samples, not the weights' sum: every step clipped to a unit-norm gradient
+    # (its trainer tied ours at 25%, +0.036 at T=0.7)
+    "norm-samples": {"loss_normalization": "samples"},
 }
 
 
@@ -705,7 +708,8 @@ def run_spec(run: str) -> tuple[dict, bool]:
     s = {k: SCALE[k] for k in ("num_layers", "num_anchors", "batch_size", "epochs", "lr", "gamma", "layout")}
     # the paper's recipe, not the package's defaults: a variant's name keeps the meaning of the runs measured before
     # the defaults moved (D-PACE since 2026-12-07)
-    s.update(loss_weighting="decay", labels="data", adam_beta2=0.95, layer_init="random", seed=0)
+    s.update(loss_weighting="decay", labels="data", adam_beta2=0.95, layer_init="random", seed=0,
+             loss_normalization="weights")
     for p in parts:
         s.update(VARIANTS[p])
     return s, data or "all"
@@ -810,6 +814,7 @@ def train_command(w: Work, s: dict, inputs: list[Path], d: Path, device: str) ->
             "--checkpoint-dir", d / "ckpt", "--num-layers", s["num_layers"], "--num-anchors", s["num_anchors"],
             "--gamma", s["gamma"], "--loss-weighting", s["loss_weighting"], "--labels", s["labels"],
             "--adam-beta2", s["adam_beta2"], "--layer-init", s["layer_init"],
+            "--loss-normalization", s.get("loss_normalization", "weights"),
             "--max-length", SCALE["context"], "--layout", s["layout"], "--seed", s.get("seed", 0),
             "--holdout-fraction", SCALE["holdout_fraction"], "--device", device,
             *(["--cpu-threads", 1] if device == "cpu" else [])]

@@ -294,6 +294,30 @@ def test_loss_weightings_decay_dpace_none(parts):
     assert losses[1] - losses[0] > 1e-4 and losses[2] - losses[1] > 1e-4
 
 
+def test_loss_normalized_by_samples_is_the_weighted_sum_over_the_batchs_samples(parts):
+    """`loss_normalization: samples` (SpecForge's D-PACE): the weighted CE sum over the micro-batch's samples, so
+    its gradient is the weighted mean's times weight_sum / samples: the same direction, another scale."""
+    cfg, head, drafter, target = parts
+    batch, feats = _batch(cfg, target, lengths=(30, 26, 33), prompt=10, anchors=5)
+    assert batch.num_samples == 3
+
+    def loss_and_grad(normalization):
+        drafter.zero_grad(set_to_none=True)
+        out = block_loss(drafter, head, batch, feats, 4.0, weighting="dpace", normalization=normalization)
+        out.loss.backward()
+        return out, torch.cat([p.grad.flatten() for p in drafter.parameters() if p.grad is not None])
+
+    mean, g_mean = loss_and_grad("weights")
+    per_sample, g_sum = loss_and_grad("samples")
+    drafter.zero_grad(set_to_none=True)
+    scale = float(mean.weight_sum) / 3
+    assert scale > 2  # the two differ: a test of the scale, not of 1 == 1
+    assert abs(per_sample.loss.item() - mean.loss.item() * scale) < 1e-4 * per_sample.loss.item()
+    assert torch.allclose(g_sum, g_mean * scale, rtol=1e-3, atol=1e-7)
+    with pytest.raises(ValueError, match="loss normalization 'tokens'"):
+        block_loss(drafter, head, batch, feats, 4.0, normalization="tokens")
+
+
 def test_dpace_under_soft_labels_weighs_by_the_drafters_probability_of_the_targets_greedy_token(parts):
     """labels: distill with D-PACE: q_j is the drafter's probability of the target's argmax, so the weights are
     those of hard labels equal to that argmax (the same weight sum), not of exp(-soft CE), which also falls with

@@ -10,13 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_pipeline.cli import main as cli_main
 from dflash_pipeline.drafter.config import DrafterConfig
 from dflash_pipeline.drafter.layer_init import init_from_target
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.target import read_config, text_config
-from token_fixtures import write_greedy_token_shard
+from token_fixtures import train_two_steps, write_greedy_token_shard
 
 
 def drafter_for(target, n_layers: int) -> tuple[DFlashDrafter, int]:
@@ -76,10 +75,7 @@ def test_a_run_with_layer_init_trains_and_does_not_resume_a_random_init_checkpoi
     write_greedy_token_shard(str(tiny_target), str(shard), 16, prompt_len=12, new_tokens=16, seed=0, prefix="g")
 
     def train(out, *extra):
-        return cli_main(["train", "--mode", "online", "--inputs", str(shard), "--model", str(tiny_target), "--out",
-                         str(tmp_path / out), "--checkpoint-dir", str(tmp_path / "ckpt"), "--num-layers", "1",
-                         "--block-size", "8", "--num-anchors", "4", "--batch-size", "4", "--max-steps", "2",
-                         "--checkpoint-every", "1", "--max-length", "48", "--holdout-fraction", "0", *extra])
+        return train_two_steps(tiny_target, shard, tmp_path / out, tmp_path / "ckpt", *extra)
 
     assert train("random") == 0
     caplog.set_level("INFO")

@@ -104,11 +104,21 @@ def test_max_turns_is_a_generate_param_only_when_it_cuts():
     accepts("generate", capped.generate(), capped.generate_runtime())
 
 
-def test_layer_init_is_a_train_param_only_when_set():
-    """`train.layer_init` (added after runs existed): at its default the train params stay as they were, so an
-    upgrade retrains nothing; set, it reaches the train stage."""
+@pytest.mark.parametrize("key,value", [("layer_init", "target-last"), ("loss_normalization", "samples")])
+def test_train_settings_added_later_are_params_only_when_set(key, value):
+    """`train.layer_init`, `train.loss_normalization` (added after runs existed): at their default the train params
+    stay as they were, so an upgrade retrains nothing (set to the default explicitly, too); set, they reach the
+    train stage."""
     base = json.loads(RuleParams(config("config.yaml"), "results").train())
-    init = RuleParams(config("config.yaml", train={"layer_init": "target-last"}), "results")
-    assert "layer_init" not in base
-    assert json.loads(init.train())["layer_init"] == "target-last"
-    accepts("train", init.train())
+    explicit = RuleParams(config("config.yaml", train={key: settings.default(f"train.{key}")}), "results")
+    other = RuleParams(config("config.yaml", train={key: value}), "results")
+    assert key not in base and json.loads(explicit.train()) == base
+    assert json.loads(other.train())[key] == value
+    accepts("train", other.train())
+    # the checkpoint fingerprint alike: a run from before the key existed resumes; one set away from it does not
+    from types import SimpleNamespace
+
+    from dflash_pipeline.drafter.train import recipe_settings
+    defaults = settings.defaults("train")
+    assert key not in recipe_settings(SimpleNamespace(**defaults))
+    assert recipe_settings(SimpleNamespace(**{**defaults, key: value}))[key] == value

@@ -62,6 +62,9 @@ def test_split_attention_gives_the_one_mask_outputs_and_gradients(layout):
         batch = collate_packed(samples, anchors, token_multiple=32, block_multiple=8)
         assert not bool(batch.block_valid.all())
         assert int(batch.anchors[0, 7]) == int(batch.block_start[0, 7]) == 30
+    # one row packed, a row each padded: loss_normalization "samples" divides by the samples either way
+    assert batch.num_samples == len(samples) > 1
+    assert batch.input_ids.shape[0] == (1 if layout == "packed" else len(samples))
     h_ref, g_ref, l_ref = _run(cfg, head, batch, "sdpa")
     h_new, g_new, l_new = _run(cfg, head, batch, "split")
     assert torch.isfinite(h_new).all() and torch.isfinite(g_new).all()

@@ -207,3 +207,31 @@ def test_online_packed_features_are_each_samples_own_and_train_as_padded(parts):
     b = block_loss(DFlashDrafter(cfg), head, packed, feats, 7.0, head_chunk=16)
     la, lb = float(a.loss.detach()), float(b.loss.detach())
     assert torch.equal(a.count, b.count) and abs(la - lb) < 1e-5 * la
+
+
+def test_a_run_normalized_by_samples_trains_clipped_and_does_not_resume_a_weighted_mean_checkpoint(tiny_target,
+                                                                                                   tmp_path):
+    """`--loss-normalization samples` through the train command: the loss is the weighted sum over the samples
+    (far above the weighted mean's, its gradient scaled alike), and a checkpoint of the default normalization is
+    set aside, not resumed (the setting is in the fingerprint only when set)."""
+    import json
+
+    from token_fixtures import train_two_steps, write_greedy_token_shard
+
+    shard = tmp_path / "greedy-00000.parquet"
+    write_greedy_token_shard(str(tiny_target), str(shard), 16, prompt_len=12, new_tokens=16, seed=0, prefix="g")
+
+    def train(out, *extra):
+        assert train_two_steps(tiny_target, shard, tmp_path / out, tmp_path / "ckpt", *extra) == 0
+        summary = json.loads((tmp_path / out / "summary.json").read_text())
+        records = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+        return summary, records[-2:]
+
+    _, mean = train("weights")
+    summary, per_sample = train("samples", "--loss-normalization", "samples")
+    assert summary["resumed_from_step"] == 0 and list((tmp_path / "ckpt").glob("stale-*/step-*.pt"))
+    assert min(r["loss"] for r in per_sample) > 3 * max(r["loss"] for r in mean)
+    # step 1 (same seed: the same weights, samples and anchors): the same gradient, scaled as the loss is; the
+    # logged norm is the one before clipping
+    ratio = per_sample[0]["loss"] / mean[0]["loss"]
+    assert abs(per_sample[0]["grad_norm"] / mean[0]["grad_norm"] - ratio) < 1e-3 * ratio

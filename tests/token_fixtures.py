@@ -60,3 +60,14 @@ def _greedy_rollouts(target, num_samples, prompt_len, new_tokens, seed, suffix_l
             step_in = o.logits[:, -1].argmax(-1, keepdim=True)
             ids = torch.cat([ids, step_in], dim=1)
     return ids
+
+
+def train_two_steps(model_dir, shard, out, checkpoint_dir, *extra) -> int:
+    """The train command on a token shard: online, a 1-layer drafter (block 8, 4 anchors), 2 steps of 4 samples,
+    a checkpoint each step, nothing held out; `extra`: the options under test."""
+    from dflash_pipeline.cli import main as cli_main
+
+    return cli_main(["train", "--mode", "online", "--inputs", str(shard), "--model", str(model_dir), "--out", str(out),
+                     "--checkpoint-dir", str(checkpoint_dir), "--num-layers", "1", "--block-size", "8",
+                     "--num-anchors", "4", "--batch-size", "4", "--max-steps", "2", "--checkpoint-every", "1",
+                     "--log-every", "1", "--max-length", "48", "--holdout-fraction", "0", *map(str, extra)])

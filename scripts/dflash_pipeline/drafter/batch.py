@@ -59,6 +59,11 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
 
+    @property
+    def num_samples(self) -> int:
+        """Samples in the batch, from shapes alone (no device synchronisation): rows, or the packed spans."""
+        return int(self.sample_spans.shape[0] if self.sample_spans is not None else self.input_ids.shape[0])
+
     def _tensors(self) -> tuple:
         return tuple(getattr(self, f.name) for f in fields(self) if f.name != "max_sample")
 

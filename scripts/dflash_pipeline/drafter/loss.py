@@ -2,7 +2,9 @@
 
 Same-position labels: block position k predicts token anchor + k; position 0 is the anchor and is not
 scored; labels must be supervised and inside the sequence. Cross-entropy weighted per block position and
-normalized by the sum of weights. Weightings (`train.loss_weighting`):
+normalized (`train.loss_normalization`) by the sum of weights (a weighted mean), or by the micro-batch's samples
+as SpecForge 0.2.0's D-PACE does (its loss is then in the thousands and grad_clip scales every step's gradient to
+unit norm; within a batch the tokens weigh the same either way). Weightings (`train.loss_weighting`):
 - decay (the paper's): w_k = exp(-(k-1)/gamma);
 - dpace (the default): the decay times D-PACE's detached weight, which follows how likely the block is to get
   that far: with q_j the drafter's probability of label j and s_j = (1 - alpha) q_j + alpha, P_k = prod_{j<=k}
@@ -56,6 +58,7 @@ class BlockLoss:
 
 
 WEIGHTINGS = ("decay", "dpace", "none")
+NORMALIZATIONS = ("weights", "samples")
 
 
 def dpace_weights(ce: torch.Tensor, index: torch.Tensor, total: int, bs: int, alpha: float) -> torch.Tensor:
@@ -74,7 +77,8 @@ def dpace_weights(ce: torch.Tensor, index: torch.Tensor, total: int, bs: int, al
 def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features: torch.Tensor, gamma: float,
                attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
                labels: torch.Tensor | None = None, head_chunk: int = 0, weighting: str = "decay",
-               dpace_alpha: float = 0.5, soft: torch.Tensor | None = None) -> BlockLoss:
+               dpace_alpha: float = 0.5, soft: torch.Tensor | None = None,
+               normalization: str = "weights") -> BlockLoss:
     """One forward of all blocks of the batch and the weighted same-position cross-entropy.
 
     `labels` [B, S]: the token expected at each position (default: the data, `batch.input_ids`); block
@@ -87,6 +91,8 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features:
     hidden = draft_all_blocks(drafter, head, batch, features, attention, compute_dtype)   # [B, N*bs, H]
     if weighting not in WEIGHTINGS:
         raise ValueError(f"loss weighting {weighting!r} is not one of {WEIGHTINGS}")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"loss normalization {normalization!r} is not one of {NORMALIZATIONS}")
     y, w, pos_k, index = scored_labels(batch, batch.input_ids if labels is None else labels, bs,
                                        0.0 if weighting == "none" else gamma)
     scored = int(index.shape[0])  # a shape: known on the host
@@ -103,7 +109,7 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features:
     if weighting == "dpace":
         w = w * dpace_weights(nll_y, index, hidden.shape[0] * hidden.shape[1], bs, dpace_alpha)
     wsum = w.sum()
-    loss = (ce * w).sum() / wsum
+    loss = (ce * w).sum() / (wsum if normalization == "weights" else batch.num_samples)
     with torch.no_grad():
         def per_position(values):
             return torch.zeros(bs, device=ce.device).index_add_(0, pos_k, values)

@@ -40,7 +40,7 @@ from dflash_pipeline.drafter.features import LABELS, packed_target_features, tar
 from dflash_pipeline.drafter.flops import batch_counts, peak_basis, step_flops
 from dflash_pipeline.drafter.heldout import AcceptanceMonitor
 from dflash_pipeline.drafter.layer_init import LAYER_INITS, init_from_target
-from dflash_pipeline.drafter.loss import WEIGHTINGS, block_loss
+from dflash_pipeline.drafter.loss import NORMALIZATIONS, WEIGHTINGS, block_loss
 from dflash_pipeline.drafter.metrics import StepMetrics, append_record, plot_metrics, read_records, summarize
 from dflash_pipeline.drafter.model import DFlashDrafter, count_parameters, save_drafter
 from dflash_pipeline.drafter.runtime import keeps_torch_threads, make_readable
@@ -51,6 +51,7 @@ from dflash_pipeline.drafter.target_head import load_target_head, resolve_mask_t
 from dflash_pipeline.errors import PipelineError, StoppedBySignal
 from dflash_pipeline.progress import Progress
 from dflash_pipeline.settings import typed
+from dflash_pipeline.settings.added_later import TRAIN_KEYS_ADDED_LATER, set_away_from_default
 from dflash_pipeline.settings.train_combinations import train_problems
 from dflash_pipeline.target import read_config, text_config
 from dflash_pipeline.target_layers import resolve_target_layer_ids
@@ -74,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-weighting", choices=list(WEIGHTINGS),
                    help="per block position: decay (exp(-(k-1)/gamma)), dpace (decay x D-PACE), none (see loss.py)")
     p.add_argument("--dpace-alpha", type=float, help="D-PACE smoothing: s = (1 - alpha) q + alpha")
+    p.add_argument("--loss-normalization", choices=list(NORMALIZATIONS),
+                   help="weights: the weighted CE over the weights' sum; samples: over the micro-batch's samples "
+                        "(SpecForge's D-PACE)")
     p.add_argument("--max-length", type=int)
     p.add_argument("--batch-size", type=int, help="sequences per micro-batch per rank")
     p.add_argument("--grad-accum", type=int)
@@ -140,8 +144,8 @@ def recipe_settings(s) -> dict:
     return {"loss_weighting": s.loss_weighting, "dpace_alpha": s.dpace_alpha,
             "adam_betas": [s.adam_beta1, s.adam_beta2], "warmup_ratio": s.warmup_ratio,
             "weight_decay": s.weight_decay,
-            # only when set: the checkpoints of runs from before the setting existed keep their fingerprint
-            **({"layer_init": s.layer_init} if s.layer_init != "random" else {})}
+            # only when set: the checkpoints of runs from before these settings existed keep their fingerprint
+            **set_away_from_default({k: getattr(s, k) for k in TRAIN_KEYS_ADDED_LATER})}
 
 
 def run_fingerprint(s, dcfg: DrafterConfig, total_steps: int, global_batch: int, source) -> dict:
@@ -400,7 +404,8 @@ def train_step(run: TrainingRun, micro, metrics: StepMetrics) -> torch.Tensor:
             out = block_loss(drafter_call, run.head, batch, feats, run.settings.gamma, attention=run.attention,
                              compute_dtype=torch.bfloat16 if run.gpu else torch.float32, labels=labels,
                              head_chunk=run.settings.head_chunk, weighting=run.settings.loss_weighting,
-                             dpace_alpha=run.settings.dpace_alpha, soft=soft)
+                             dpace_alpha=run.settings.dpace_alpha, soft=soft,
+                             normalization=run.settings.loss_normalization)
             (out.loss / len(micro)).backward()
         metrics.add(out, counts.context, counts.positions, step_flops(run.dcfg, counts, soft_labels=soft is not None))
     if run.settings.grad_clip > 0:

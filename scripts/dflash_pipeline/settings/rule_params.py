@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from dflash_pipeline import settings
+from dflash_pipeline.settings.added_later import at_default
 from dflash_pipeline.errors import PipelineError
 
 # Keys that size a job rather than change its output: kept out of the settings (and out of params), so that
@@ -173,10 +174,9 @@ class RuleParams:
         drafter = {k: d[k] for k in ("num_layers", "block_size", "mask_token_id", "target_layer_ids")
                    if d.get(k) is not None}
         mirror = self._mirror(self.config["train"].get("checkpoint_mirror"), "train/checkpoints")
-        # layer_init only when set: the params of configs without it stay as they were (no retraining on upgrade)
-        default_init = self.config["train"].get("layer_init") == settings.default("train.layer_init")
-        unset = ("layer_init",) if default_init else ()
-        return self.stage("train", drop=("checkpoint_mirror", *unset), **drafter, checkpoint_mirror=mirror,
+        # settings added later only when set: the params of configs without them stay as they were
+        return self.stage("train", drop=("checkpoint_mirror", *at_default(self.config["train"])), **drafter,
+                          checkpoint_mirror=mirror,
                           holdout_fraction=self.config["evaluate"]["holdout_fraction"], **self.trust)
 
     def rates(self) -> str:
