@@ -903,13 +903,13 @@ PEER_RAM_HEADROOM = 40e9
 PEER_STEPS_PER_S = {"specforge": 11.6, "speculators": 9.7}
 
 
-def peer_subset(token_counts: list[int], bytes_per_token: float, free_bytes: int, margin: float = 0.85) -> int:
+def peer_subset(token_counts: list[int], bytes_per_token: float, room_bytes: int) -> int:
     """How many shards (in order) the peer's raw bf16 files can take: the largest prefix whose bytes fit in
-    margin x free_bytes (peer-plan passes the disk's share + the shm share, margin 1). Both peers get the same prefix
-    (the one of the larger format), so they see equal data."""
+    room_bytes (peer-plan passes the disk's share + the shm share: peer_room keeps the margins). Both peers get the
+    same prefix (the one of the larger format), so they see equal data."""
     total, k = 0, 0
     for n in token_counts:
-        if (total + n) * bytes_per_token > free_bytes * margin:
+        if (total + n) * bytes_per_token > room_bytes:
             break
         total += n
         k += 1
@@ -1015,7 +1015,7 @@ def stage_peer_plan(a) -> None:
     shm_dir = Path(a.peer_shm_dir).absolute()
     disk_free, shm_free, mem = free_bytes(w.root), free_bytes(shm_dir), mem_available()
     room = peer_room(disk_free, shm_free, mem, a.peer_shm_gb)
-    fit = peer_subset(counts, max(per.values()), room["disk_bytes"] + room["shm_bytes"], margin=1.0)
+    fit = peer_subset(counts, max(per.values()), room["disk_bytes"] + room["shm_bytes"])
     n_sub = len(run_inputs(w, True))
     cap = a.peer_shards or (len(shards) if a.peer_all else n_sub)
     k = min(fit, cap)

@@ -118,10 +118,10 @@ def test_room_is_the_disks_share_and_shm_beyond_the_ram_headroom():
     # the real shards (tokens of the 16 token shards, stop 43) at speculators' 6,912 B a token: 5 on the disk alone
     counts = [1340831, 1296760, 1348803, 1348337, 1315554, 1325293, 1358760, 1249906, 1278986, 1286341, 1342182,
               1302343, 1261930, 1306136, 1296454, 418001]
-    assert ras.peer_subset(counts, 6912, room["disk_bytes"], margin=1.0) == 5
-    assert ras.peer_subset(counts, 6912, room["disk_bytes"] + room["shm_bytes"], margin=1.0) == 16
+    assert ras.peer_subset(counts, 6912, room["disk_bytes"]) == 5
+    assert ras.peer_subset(counts, 6912, room["disk_bytes"] + room["shm_bytes"]) == 16
     less = ras.peer_room(61 * gb, 137 * gb, 120 * gb, None)  # 14 GB less RAM
-    assert ras.peer_subset(counts, 6912, less["disk_bytes"] + less["shm_bytes"], margin=1.0) == 14
+    assert ras.peer_subset(counts, 6912, less["disk_bytes"] + less["shm_bytes"]) == 14
 
 
 def test_plan_counts_the_shm_share_and_replaces_only_on_request(base, tmp_path, monkeypatch, shm_dir):

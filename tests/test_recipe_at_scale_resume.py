@@ -166,9 +166,9 @@ def test_weights_only_bundle_resumes_at_the_same_step(runs):
 def test_peer_subset_is_the_largest_prefix_that_fits():
     per = ras.peer_bytes_per_token(576, 5)
     assert per == {"specforge": 5760, "speculators": 6912}
-    assert ras.peer_subset([100, 100, 100], 10, free_bytes=3000, margin=1.0) == 3
-    assert ras.peer_subset([100, 100, 100], 10, free_bytes=2999, margin=1.0) == 2
-    assert ras.peer_subset([100, 100, 100], 10, free_bytes=2000, margin=0.85) == 1
+    assert ras.peer_subset([100, 100, 100], 10, room_bytes=3000) == 3
+    assert ras.peer_subset([100, 100, 100], 10, room_bytes=2999) == 2
+    assert ras.peer_subset([100, 100, 100], 10, room_bytes=999) == 0
 
 
 def test_one_peers_files_at_a_time_from_ours_samples(runs, tiny_target):
