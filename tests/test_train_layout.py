@@ -211,9 +211,9 @@ def test_online_packed_features_are_each_samples_own_and_train_as_padded(parts):
 
 def test_a_run_normalized_by_samples_trains_clipped_and_does_not_resume_a_weighted_mean_checkpoint(tiny_target,
                                                                                                    tmp_path):
-    """`--loss-normalization samples` through the train command: the loss is the weighted sum over the samples
-    (far above the weighted mean's, its gradient scaled alike), and a checkpoint of the default normalization is
-    set aside, not resumed (the setting is in the fingerprint only when set)."""
+    """`--loss-normalization samples` through the train command: the loss minimized is the weighted sum over the
+    samples (its gradient far larger), the log still reports the weighted mean, and a checkpoint of the default
+    normalization is set aside, not resumed (the setting is in the fingerprint only when set)."""
     import json
 
     from token_fixtures import train_two_steps, write_greedy_token_shard
@@ -230,8 +230,7 @@ def test_a_run_normalized_by_samples_trains_clipped_and_does_not_resume_a_weight
     _, mean = train("weights")
     summary, per_sample = train("samples", "--loss-normalization", "samples")
     assert summary["resumed_from_step"] == 0 and list((tmp_path / "ckpt").glob("stale-*/step-*.pt"))
-    assert min(r["loss"] for r in per_sample) > 3 * max(r["loss"] for r in mean)
-    # step 1 (same seed: the same weights, samples and anchors): the same gradient, scaled as the loss is; the
-    # logged norm is the one before clipping
-    ratio = per_sample[0]["loss"] / mean[0]["loss"]
-    assert abs(per_sample[0]["grad_norm"] / mean[0]["grad_norm"] - ratio) < 1e-3 * ratio
+    # step 1 (same seed: the same weights, samples and anchors): the log reports the weighted mean CE either way,
+    # and the gradient (its norm logged before clipping) is scaled by weight_sum / samples, several times here
+    assert abs(per_sample[0]["loss"] - mean[0]["loss"]) < 1e-5 * mean[0]["loss"]
+    assert per_sample[0]["grad_norm"] > 3 * mean[0]["grad_norm"]

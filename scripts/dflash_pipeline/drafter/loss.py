@@ -49,12 +49,14 @@ def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
 
 @dataclass
 class BlockLoss:
-    loss: torch.Tensor               # scalar, weighted mean CE
+    loss: torch.Tensor               # scalar: the weighted CE sum over the weights' sum or the samples
     weight_sum: torch.Tensor         # scalar (detached), on the loss's device: read it without a synchronisation
     count: torch.Tensor              # [bs] scored labels per block position
     correct: torch.Tensor            # [bs] argmax == label per block position
     ce_sum: torch.Tensor             # [bs] summed CE per block position
     scored_tokens: int
+    weighted_sum: torch.Tensor       # scalar (detached): sum of CE x weight; the log reports / weight_sum, whatever
+                                     # the normalization
 
 
 WEIGHTINGS = ("decay", "dpace", "none")
@@ -98,7 +100,7 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features:
     scored = int(index.shape[0])  # a shape: known on the host
     if scored == 0:
         z = torch.zeros(bs, device=hidden.device)
-        return BlockLoss(hidden.sum() * 0.0, z.sum(), z, z.clone(), z.clone(), 0)
+        return BlockLoss(hidden.sum() * 0.0, z.sum(), z, z.clone(), z.clone(), 0, z.sum())
     scored_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
     if soft is None:
         ce, top = head_cross_entropy(scored_hidden, head.lm_head.weight, y, head_chunk)
@@ -108,15 +110,15 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features:
                                                     scored_rows(batch, soft, index, bs), head_chunk)
     if weighting == "dpace":
         w = w * dpace_weights(nll_y, index, hidden.shape[0] * hidden.shape[1], bs, dpace_alpha)
-    wsum = w.sum()
-    loss = (ce * w).sum() / (wsum if normalization == "weights" else batch.num_samples)
+    wsum, total = w.sum(), (ce * w).sum()
+    loss = total / (wsum if normalization == "weights" else batch.num_samples)
     with torch.no_grad():
         def per_position(values):
             return torch.zeros(bs, device=ce.device).index_add_(0, pos_k, values)
 
         count, correct = per_position(torch.ones_like(ce)), per_position((top == y).float())
         ce_sum = per_position(ce.detach())
-    return BlockLoss(loss, wsum.detach(), count, correct, ce_sum, scored)
+    return BlockLoss(loss, wsum.detach(), count, correct, ce_sum, scored, total.detach())
 
 
 def draft_all_blocks(drafter, head: TargetHead, batch: Batch, features: torch.Tensor, attention: str,

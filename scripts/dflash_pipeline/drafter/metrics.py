@@ -31,7 +31,7 @@ class StepMetrics:
         self.stats[:bs] += out.count
         self.stats[bs:2 * bs] += out.correct
         self.stats[2 * bs:3 * bs] += out.ce_sum
-        self.stats[3 * bs:3 * bs + 2] += torch.stack([out.loss.detach() * out.weight_sum, out.weight_sum])
+        self.stats[3 * bs:3 * bs + 2] += torch.stack([out.weighted_sum, out.weight_sum])
         for k, x in enumerate((num_tokens, positions, flops / 1e12)):
             self.host[k] += float(x)
 
