@@ -121,6 +121,10 @@ VARIANTS = {
     # SpecForge's D-PACE divides by the samples, not the weights' sum: every step clipped to a unit-norm gradient
     # (its trainer tied ours at 25%, +0.036 at T=0.7)
     "norm-samples": {"loss_normalization": "samples"},
+    # D-PACE's smoothing s = (1 - alpha) q + alpha: both peers and ours use 0.5, never tuned; lower follows the
+    # drafter's confidence more closely
+    "alpha-0.2": {"dpace_alpha": 0.2},
+    "alpha-0.8": {"dpace_alpha": 0.8},
 }
 
 
@@ -693,7 +697,7 @@ def run_spec(run: str) -> tuple[dict, bool]:
     # the paper's recipe, not the package's defaults: a variant's name keeps the meaning of the runs measured before
     # the defaults moved (D-PACE since 2026-12-07)
     s.update(loss_weighting="decay", labels="data", adam_beta2=0.95, layer_init="random", seed=0,
-             loss_normalization="weights")
+             loss_normalization="weights", dpace_alpha=0.5)
     for p in parts:
         s.update(VARIANTS[p])
     return s, data or "all"
@@ -798,7 +802,7 @@ def train_command(w: Work, s: dict, inputs: list[Path], d: Path, device: str) ->
             "--checkpoint-dir", d / "ckpt", "--num-layers", s["num_layers"], "--num-anchors", s["num_anchors"],
             "--gamma", s["gamma"], "--loss-weighting", s["loss_weighting"], "--labels", s["labels"],
             "--adam-beta2", s["adam_beta2"], "--layer-init", s["layer_init"],
-            "--loss-normalization", s.get("loss_normalization", "weights"),
+            "--loss-normalization", s.get("loss_normalization", "weights"), "--dpace-alpha", s.get("dpace_alpha", 0.5),
             "--max-length", SCALE["context"], "--layout", s["layout"], "--seed", s.get("seed", 0),
             "--holdout-fraction", SCALE["holdout_fraction"], "--device", device,
             *(["--cpu-threads", 1] if device == "cpu" else [])]

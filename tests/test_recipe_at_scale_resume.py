@@ -325,10 +325,16 @@ def test_run_names_combine_variants_left_to_right():
         assert cmd[cmd.index("--adam-beta2") + 1] == str(beta2)
     cmd = ras.train_command(ras.Work("/w"), ras.run_spec("batch-4+init-last@sub")[0], [], Path("/d"), "cpu")
     assert cmd[cmd.index("--layer-init") + 1] == "target-last"
-    # the noise run: the same recipe from another seed; every other run keeps seed 0
-    for run, seed in (("batch-4+dpace-gamma4+seed-1@sub", "1"), ("batch-4+dpace-gamma4@sub", "0")):
+    # the noise run: the same recipe from another seed; every other run keeps seed 0 (and D-PACE's alpha 0.5, the
+    # normalization by the weights' sum)
+    for run, flag, value in (("batch-4+dpace-gamma4+seed-1@sub", "--seed", "1"),
+                             ("batch-4+dpace-gamma4@sub", "--seed", "0"),
+                             ("batch-4+dpace-gamma4+alpha-0.2@sub", "--dpace-alpha", "0.2"),
+                             ("batch-4+dpace-gamma4@sub", "--dpace-alpha", "0.5"),
+                             ("batch-4+dpace-alone+norm-samples@sub", "--loss-normalization", "samples"),
+                             ("paper", "--loss-normalization", "weights")):
         cmd = [str(x) for x in ras.train_command(ras.Work("/w"), ras.run_spec(run)[0], [], Path("/d"), "cpu")]
-        assert cmd[cmd.index("--seed") + 1] == seed
+        assert cmd[cmd.index(flag) + 1] == value
     for bad in ("batch-4+nope", "paper@half", "+paper"):
         with pytest.raises(SystemExit, match="unknown run"):
             ras.run_spec(bad)
