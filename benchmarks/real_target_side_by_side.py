@@ -376,7 +376,10 @@ def merged_config(w: Path) -> dict:
 
 
 def recipe(w: Path) -> dict:
-    """The shape and recipe every side trains with: our trained drafter's config and the run's train section."""
+    """The shape and recipe every side trains with: our trained drafter's config and the run's train section (a
+    setting it leaves out: the schema's default, as the workflow's run had it)."""
+    from dflash_pipeline import settings
+
     cfg = merged_config(w)
     dcfg = read_json(w / "wf" / "results" / "train" / "drafter" / "drafter_config.json")
     if dcfg is None:
@@ -387,8 +390,8 @@ def recipe(w: Path) -> dict:
             "mask_token_id": int(dcfg["mask_token_id"]), "num_anchors": int(t["num_anchors"]),
             "gamma": float(t["gamma"]), "max_length": int(t["max_length"]), "epochs": float(t["epochs"]),
             "lr": float(t["lr"]), "warmup_ratio": float(t["warmup_ratio"]), "batch_size": int(t["batch_size"]),
-            "loss_weighting": str(t.get("loss_weighting") or "decay"),
-            "dpace_alpha": float(t.get("dpace_alpha", 0.5)),
+            "loss_weighting": str(settings.value(t, "train.loss_weighting")),
+            "dpace_alpha": float(settings.value(t, "train.dpace_alpha")),
             "holdout_fraction": float(cfg["evaluate"]["holdout_fraction"])}
 
 

@@ -802,8 +802,8 @@ def train_command(w: Work, s: dict, inputs: list[Path], d: Path, device: str) ->
             "--checkpoint-dir", d / "ckpt", "--num-layers", s["num_layers"], "--num-anchors", s["num_anchors"],
             "--gamma", s["gamma"], "--loss-weighting", s["loss_weighting"], "--labels", s["labels"],
             "--adam-beta2", s["adam_beta2"], "--layer-init", s["layer_init"],
-            "--loss-normalization", s.get("loss_normalization", "weights"), "--dpace-alpha", s.get("dpace_alpha", 0.5),
-            "--max-length", SCALE["context"], "--layout", s["layout"], "--seed", s.get("seed", 0),
+            "--loss-normalization", s["loss_normalization"], "--dpace-alpha", s["dpace_alpha"],
+            "--max-length", SCALE["context"], "--layout", s["layout"], "--seed", s["seed"],
             "--holdout-fraction", SCALE["holdout_fraction"], "--device", device,
             *(["--cpu-threads", 1] if device == "cpu" else [])]
 
@@ -1056,7 +1056,7 @@ def shape_configs(w: Work, run: str, device: str) -> tuple[Path, Path]:
     return d / "drafter" / "drafter_config.json", d / "export" / "config.json"
 
 
-def peer_layout(w: Work, device: str, loss: str = "decay") -> Path:
+def peer_layout(w: Work, device: str, loss: str) -> Path:
     """A work directory in real_target_side_by_side.py's layout, so its SpecForge and speculators stages run
     unchanged: the target, the config of our drafter they are compared with (the shape every side trains), this
     run's train settings (overrides.yaml: `loss` the peers' weighting, --peer-loss) and the peer subset's token
@@ -1205,7 +1205,7 @@ def stage_peer_data(a) -> None:
     import real_target_side_by_side as sbs
 
     w = Work(a.work)
-    p = peer_layout(w, a.device)
+    p = peer_layout(w, a.device, a.peer_loss)  # the loss is only recorded in the files' recipe
     plan = read_json(w.results / "peer-plan.json")
     dest = p / PEER_DIRS[a.peer]["data"]
     other = p / next(d["data"] for peer, d in PEER_DIRS.items() if peer != a.peer)
@@ -1303,11 +1303,11 @@ def peer_data(plan: dict | None) -> str:
 def peer_run_name(a, w: Work) -> str:
     """The peer's drafter name: `speculators`; `specforge` at our batch size, `specforge-bN` at another
     (--specforge-batch 1: its default), so both can be trained and evaluated side by side; `-dpace` with
-    --peer-loss dpace; `@all` or `@peer`
-    appended when the plan is not the `@sub` one (the first peer runs, on it, keep their names)."""
+    --peer-loss dpace; `@all` or `@peer` appended when the plan is not the `@sub` one (the first peer runs, on it,
+    keep their names)."""
     data = peer_data(read_json(w.results / "peer-plan.json"))
     tag = "" if data == "sub" else f"@{data}"
-    loss = "-dpace" if getattr(a, "peer_loss", "decay") == "dpace" else ""
+    loss = "-dpace" if a.peer_loss == "dpace" else ""
     if a.peer != "specforge" or not a.specforge_batch or a.specforge_batch == ours_batch(w):
         return a.peer + loss + tag
     return f"specforge-b{a.specforge_batch}{loss}{tag}"

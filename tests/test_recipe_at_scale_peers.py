@@ -381,7 +381,7 @@ def test_speculators_checkpoint_interval_is_a_share_of_its_epoch(base, tmp_path,
     """Its --checkpoint-freq: the steps of --peer-checkpoint-s over the epoch's packed rows (tokens / max_length)."""
     w, call = work_copy(base, tmp_path)
     call("peer-plan", extra=("--peer", "speculators"))
-    p = ras.peer_layout(w, "cpu")
+    p = ras.peer_layout(w, "cpu", "decay")
     (p / "peer_spec").mkdir()
     man = {"samples": 40_000, "tokens": 20_000_000}
     (p / "peer_spec" / "manifest.json").write_text(json.dumps(man))

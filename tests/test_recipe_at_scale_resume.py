@@ -243,7 +243,7 @@ def test_one_peers_files_at_a_time_from_ours_samples(runs, tiny_target):
     shutil.copytree(a.root, cold.root, symlinks=True)
     for d in (cold.train / "paper@sub", cold.drafters / "paper@sub", cold.peers):
         shutil.rmtree(d)
-    p = ras.peer_layout(cold, "cpu")
+    p = ras.peer_layout(cold, "cpu", "decay")
     for got, want in ((p / "wf/results/train/drafter/drafter_config.json",
                        a.train / "paper@sub/drafter/drafter_config.json"),
                       (p / "wf/results/drafter/config.json", a.drafters / "paper@sub/config.json")):

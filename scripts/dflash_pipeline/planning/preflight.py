@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from dflash_pipeline import settings
 from dflash_pipeline.settings.train_combinations import train_problems
 from dflash_pipeline.storage import not_regular_file
 
@@ -286,8 +287,8 @@ def workflow_problems(workflow, config: dict, *, results: str, inputs: dict[str,
 
     executor = executor_name(argv, env)
     storage = workflow.storage_settings
-    train = config.get("train") or {}
-    problems = train_problems(train.get("mode"), train.get("labels"))
+    train = config.get("train")
+    problems = train_problems(settings.value(train, "train.mode"), settings.value(train, "train.labels"))
     if target is not None and executor != "kubernetes":  # a pod's model lives in its image
         problems += target_problems(target)
     remote = f"{storage.default_storage_provider} {storage.default_storage_prefix or ''}" \

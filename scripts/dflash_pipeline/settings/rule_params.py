@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 
 from dflash_pipeline import settings
-from dflash_pipeline.settings.added_later import at_default
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.settings.added_later import at_default
 
 # Keys that size a job rather than change its output: kept out of the settings (and out of params), so that
 # moving a run to more GPUs or memory reruns nothing.
