@@ -125,7 +125,7 @@ VARIANTS = {
     # drafter's confidence more closely
     "alpha-0.2": {"dpace_alpha": 0.2},
     "alpha-0.8": {"dpace_alpha": 0.8},
-    "alpha-0.1": {"dpace_alpha": 0.1},             # 0.2 won over 0.5 (stop 46): does the trend go on?
+    "alpha-0.1": {"dpace_alpha": 0.1},             # 0.2 won over 0.5 (2026-12-07): does the trend go on?
 }
 
 
@@ -1086,7 +1086,7 @@ def peer_layout(w: Work, device: str, loss: str) -> Path:
         (p / "target").symlink_to(target_dir(w))
     s, _ = run_spec("paper@peer")
     (p / "overrides.yaml").write_text(yaml.safe_dump({
-        # dpace_alpha: the peers' own D-PACE smoothing (0.5 in both), not the workflow's default since stop 46
+        # dpace_alpha: the peers' own D-PACE smoothing (0.5 in both), not the workflow's (0.2 since 2026-12-07)
         "train": {"num_anchors": s["num_anchors"], "gamma": s["gamma"], "loss_weighting": loss,
                   "dpace_alpha": s["dpace_alpha"],
                   "max_length": SCALE["context"],

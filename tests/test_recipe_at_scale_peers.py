@@ -401,8 +401,8 @@ def test_speculators_checkpoint_interval_is_a_share_of_its_epoch(base, tmp_path,
 def test_the_peers_loss_weighting_follows_peer_loss(base, tmp_path, request):
     """--peer-loss dpace: SpecForge's `dpace` loss type and speculators' dpace weighting (D-PACE alone, no gamma, at
     both peers' own smoothing 0.5, not the workflow's default 0.2), in runs of their own name; the default keeps the
-    paper's decay at our gamma. SpecForge's own schema (its
-    wheel, where the kit has it) accepts both training sections."""
+    paper's decay at our gamma. SpecForge's own schema (its wheel, where the kit has it) accepts both training
+    sections."""
     import yaml
 
     w, call = work_copy(base, tmp_path)
