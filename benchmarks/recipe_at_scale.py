@@ -305,6 +305,19 @@ def join_sets(src: Path, dest: Path) -> list[str]:
     return joined
 
 
+def bundle_pending(w: Work) -> str:
+    """Why this machine's state is not yet the carried bundle's (empty: it is, or none was carried): a bundle's set
+    manifest travels with its first part (`carry`), so a call that brought only some parts knows the rest is coming
+    and its stages must not start the run over on the state it has."""
+    man = read_json(w.incoming / "bundle.tar.zst.set.json") if w.incoming.exists() else None
+    mark = w.root / "bundle.tar.zst.joined"
+    if man is None or (mark.exists() and mark.read_text() == man["sha256"]):
+        return ""
+    here = sum((w.incoming / q["name"]).exists() and (w.incoming / q["name"]).stat().st_size == q["size"]
+               for q in man["parts"])
+    return f"bundle {man.get('seq', '?')} is not unpacked yet ({here} of {len(man['parts'])} parts here)"
+
+
 def zstd_bytes(data: bytes, level: int = 3) -> bytes:
     import zstandard
 
@@ -1446,9 +1459,12 @@ def stage_carry(a) -> list[list[str]]:
     def dir_bytes(d: str) -> int:
         return sum(f.stat().st_size for f in (kit / d).rglob("*") if f.is_file())
 
-    files = sorted((kit / "gguf").glob("*")) if a.cold else []
+    def manifest_first(fs) -> list[Path]:  # a machine that has a set's manifest knows which parts are still to come
+        return sorted(fs, key=lambda f: (not f.name.endswith(".set.json"), f.name))
+
+    files = manifest_first((kit / "gguf").glob("*")) if a.cold else []
     for src in [Path(p) for p in a.inputs]:
-        files += sorted(f for f in src.glob("bundle.tar.zst*") if f.is_file())
+        files += manifest_first(f for f in src.glob("bundle.tar.zst*") if f.is_file())
     for old in dest.glob("in-*"):
         shutil.rmtree(old)
     calls = [{"kit": ["data", "whl"], "files": [], "bytes": dir_bytes("data") + dir_bytes("whl")}]
@@ -1597,6 +1613,11 @@ STAGES = {"kit": stage_kit, "gather": stage_gather, "target": stage_target, "pre
           "carry": stage_carry, **PEER_STAGES}
 
 
+# stages that read or extend the run's state: on a machine still waiting for a carried bundle's parts they would
+# start it over (generate everything again, train from step 0)
+ON_THE_RUNS_STATE = {"generate", "tokens", "train", "evaluate", *PEER_STAGES}
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stages", nargs="+", choices=list(STAGES))
@@ -1657,6 +1678,9 @@ def main(argv=None) -> int:
     if a.tiny:
         SCALE.update(TINY)
     for stage in a.stages:
+        if stage in ON_THE_RUNS_STATE and (why := bundle_pending(Work(a.work))):
+            log(f"stage {stage}: skipped: {why}; it runs in the call that brings the rest")
+            continue
         t = time.perf_counter()
         STAGES[stage](a)
         log(f"stage {stage}: {time.perf_counter() - t:.1f} s")

@@ -302,14 +302,47 @@ def test_carry_plans_calls_within_the_limit(tmp_path, monkeypatch):
     (back / "bundle.tar.zst.part00").write_bytes(b"\0" * mib)
     (back / "bundle.tar.zst.set.json").write_text("{}")
     plan = ras.stage_carry(ras.parse_args(["carry", "--kit", str(kit), "--cold", "--peers", "--in", str(back)]))
-    assert plan == [[".device/scale/kit/data", ".device/scale/kit/whl", "m.gguf.part00"],
-                    ["m.gguf.part01", "m.gguf.set.json", "bundle.tar.zst.part00", "bundle.tar.zst.set.json"],
+    assert plan == [[".device/scale/kit/data", ".device/scale/kit/whl", "m.gguf.set.json", "m.gguf.part00"],
+                    ["m.gguf.part01", "bundle.tar.zst.set.json", "bundle.tar.zst.part00"],
                     [".device/scale/kit/whl-peers"]]
     assert sorted(p.name for p in (tmp_path / "scale" / "in-2").iterdir()) == sorted(plan[1])
     assert not any((tmp_path / "scale" / "in-3").iterdir())
     monkeypatch.setattr(ras, "CARRY_LIMIT", 6 * mib)  # a part larger than a call can carry: refused
     with pytest.raises(SystemExit, match="does not fit one call"):
         ras.stage_carry(ras.parse_args(["carry", "--kit", str(kit), "--cold"]))
+
+
+def test_a_call_with_part_of_a_bundle_starts_nothing_over(tmp_path, capsys):
+    """A bundle too large for one call arrives over two: the call that brings its manifest and first part (a warm
+    machine's state still the old one) skips every stage that reads or extends the run's state instead of
+    generating or training from the start; the call that brings the rest joins and unpacks it, and they run."""
+    import hashlib
+
+    blob = bytes(range(256)) * 40
+    parts = [blob[:6000], blob[6000:]]
+    man = {"set": "bundle.tar.zst", "seq": 7, "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
+           "parts": [{"name": f"bundle.tar.zst.part{i:02d}", "size": len(b), "sha256": hashlib.sha256(b).hexdigest()}
+                     for i, b in enumerate(parts)]}
+    first, rest = tmp_path / "in-2", tmp_path / "in-3"
+    for d, names in ((first, [0]), (rest, [1])):
+        d.mkdir()
+        for i in names:
+            (d / man["parts"][i]["name"]).write_bytes(parts[i])
+    (first / "bundle.tar.zst.set.json").write_text(json.dumps(man))
+    work = tmp_path / "work"
+    args = ["--tiny", "--device", "cpu", "--work", str(work), "--kit", str(tmp_path / "kit")]
+    ras.main(["gather", "--in", str(first), *args])
+    w = ras.Work(work)
+    assert ras.bundle_pending(w) == "bundle 7 is not unpacked yet (1 of 2 parts here)"
+    capsys.readouterr()
+    ras.main(["generate", "tokens", "train", "peer-train", *args])  # would fail on this empty machine if they ran
+    out = capsys.readouterr().out
+    assert all(f"stage {s}: skipped: bundle 7 is not unpacked yet" in out for s in ("generate", "train", "peer-train"))
+    assert not w.completions.exists() and not w.train.exists()
+    for f in rest.iterdir():  # the next call's gather: the set is whole and joined (unpacking is the tests' above)
+        shutil.copyfile(f, w.incoming / f.name)
+    assert ras.join_sets(w.incoming, w.root) == ["bundle.tar.zst"] and (w.root / "bundle.tar.zst").read_bytes() == blob
+    assert ras.bundle_pending(w) == ""
 
 
 def test_run_names_combine_variants_left_to_right():
