@@ -276,6 +276,17 @@ PEER_WHEELS = ("dflash", "specforge", "speculators", "hs_connectors", "loguru", 
 
 
 # ------------------------------------------------------------------------------------------------ parts, bundle
+def set_joined(dest: Path, man: dict) -> bool:
+    """Whether the set of manifest `man` is already joined into dest/<set> (by an earlier call of this machine)."""
+    out, mark = dest / man["set"], dest / f"{man['set']}.joined"
+    return out.exists() and mark.exists() and mark.read_text() == man["sha256"]
+
+
+def set_parts_here(src: Path, man: dict) -> int:
+    """How many of the set's parts are under src, whole (their manifest size)."""
+    return sum((src / q["name"]).exists() and (src / q["name"]).stat().st_size == q["size"] for q in man["parts"])
+
+
 def join_sets(src: Path, dest: Path) -> list[str]:
     """Every set under src whose parts are all there and check: joined into dest/<set> (verified); returns the
     names joined by this call."""
@@ -283,11 +294,11 @@ def join_sets(src: Path, dest: Path) -> list[str]:
     for man_path in sorted(src.glob("*.set.json")):
         man = read_json(man_path)
         out, mark = dest / man["set"], dest / f"{man['set']}.joined"
-        if out.exists() and mark.exists() and mark.read_text() == man["sha256"]:
-            continue  # joined by an earlier call of this machine
+        if set_joined(dest, man):
+            continue
         parts = [src / p["name"] for p in man["parts"]]
-        if not all(p.exists() and p.stat().st_size == q["size"] for p, q in zip(parts, man["parts"])):
-            log(f"set {man['set']}: {sum(p.exists() for p in parts)} of {len(parts)} parts here (the rest next call)")
+        if (here := set_parts_here(src, man)) < len(parts):
+            log(f"set {man['set']}: {here} of {len(parts)} parts here (the rest next call)")
             continue
         h = hashlib.sha256()
         tmp = out.with_suffix(out.suffix + ".partial")
@@ -310,12 +321,10 @@ def bundle_pending(w: Work) -> str:
     manifest travels with its first part (`carry`), so a call that brought only some parts knows the rest is coming
     and its stages must not start the run over on the state it has."""
     man = read_json(w.incoming / "bundle.tar.zst.set.json") if w.incoming.exists() else None
-    mark = w.root / "bundle.tar.zst.joined"
-    if man is None or (mark.exists() and mark.read_text() == man["sha256"]):
+    if man is None or set_joined(w.root, man):
         return ""
-    here = sum((w.incoming / q["name"]).exists() and (w.incoming / q["name"]).stat().st_size == q["size"]
-               for q in man["parts"])
-    return f"bundle {man.get('seq', '?')} is not unpacked yet ({here} of {len(man['parts'])} parts here)"
+    return (f"bundle {man.get('seq', '?')} is not unpacked yet ({set_parts_here(w.incoming, man)} of "
+            f"{len(man['parts'])} parts here)")
 
 
 def zstd_bytes(data: bytes, level: int = 3) -> bytes:
