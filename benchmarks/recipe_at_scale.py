@@ -710,7 +710,16 @@ def stage_tokens(a) -> None:
         originals = {s["sample_id"]: s["messages"] for s in pq.read_table(w.shards / f"{shard}.parquet").to_pylist()}
         cols = {k: [] for k in ("sample_id", "input_ids", "loss_mask", "length", "num_loss_tokens", "truncated")}
         for sid, outs in zip(meta["sample_ids"], samples):
-            for k, (ctx, out) in enumerate(zip(turn_contexts(originals[sid], [r.answer(o) for o in outs]), outs)):
+            # regen files carried or committed from another kit (other shards, other max_turns) must not pair
+            # their ids with these conversations
+            if sid not in originals:
+                raise SystemExit(f"{src}: sample {sid} is not in {w.shards / shard}.parquet: these regenerated ids "
+                                 "come from another kit's shards; remove <work>/regen (and --state) to regenerate")
+            ctxs = turn_contexts(originals[sid], [r.answer(o) for o in outs])
+            if len(ctxs) != len(outs):
+                raise SystemExit(f"{src}: sample {sid} has {len(outs)} generated turns, its conversation in "
+                                 f"{shard} {len(ctxs)}: these regenerated ids come from another kit's shards")
+            for k, (ctx, out) in enumerate(zip(ctxs, outs)):
                 p = r.prompt(ctx)
                 ids, mask = (p + out)[:n_max], ([0] * len(p) + [1] * len(out))[:n_max]
                 if sum(mask[1:]) == 0:

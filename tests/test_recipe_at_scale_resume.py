@@ -152,6 +152,21 @@ def test_a_committed_state_starts_a_cold_machine_and_yields_to_a_carried_bundle(
         ras.main(["gather", "--work", str(tmp_path / "x"), "--state", str(tmp_path), *kit])
 
 
+def test_regenerated_ids_of_another_kits_shards_are_refused_by_name(runs, tmp_path):
+    """A regen file that does not belong to the shard of its name (a state committed or carried from another kit)
+    stops the token rebuild with the file and the sample, instead of pairing its ids with other conversations."""
+    a = ras.Work(runs["root"] / "a")
+    s0, s1 = ras.shard_names(a)[:2]
+    w = ras.Work(tmp_path / "w")
+    shutil.copytree(a.shards, w.shards)
+    (w.root / "target").symlink_to(a.target)
+    w.regen.mkdir()
+    shutil.copyfile(a.regen / f"{s0}.npz.zst", w.regen / f"{s1}.npz.zst")
+    with pytest.raises(SystemExit, match=rf"{s1}\.npz\.zst: sample \S+ is not in .*{s1}\.parquet"):
+        ras.main(["tokens", "--tiny", "--device", "cpu", "--work", str(w.root), "--kit", str(tmp_path / "kit")])
+    assert not w.tokens.exists() or not any(w.tokens.glob("*.parquet"))
+
+
 def test_training_resumes_at_the_bundled_step_and_ends_identical(runs):
     import torch
     from safetensors.torch import load_file
