@@ -445,7 +445,9 @@ def stage_gather(a) -> None:
     w.incoming.mkdir(parents=True, exist_ok=True)
     if (Path(a.kit) / "data").exists():
         shutil.copytree(Path(a.kit) / "data", w.root / "data", dirs_exist_ok=True)
-    if a.state:
+    if a.state and a.tiny:  # the committed state is the real scale's: the CPU dry run of the device script
+        log(f"--state {a.state}: not at the tiny scale (its shards are the real kit's)")
+    elif a.state:
         gather_state(w, Path(a.state), [Path(p) for p in (a.inputs or [])])
     for src in [Path(p) for p in (a.inputs or [])]:
         for f in sorted(src.rglob("*")) if src.is_dir() else [src]:

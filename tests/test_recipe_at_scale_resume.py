@@ -150,6 +150,9 @@ def test_a_committed_state_starts_a_cold_machine_and_yields_to_a_carried_bundle(
     assert not any(cold.regen.iterdir())
     with pytest.raises(SystemExit, match="no bundle.tar.zst.set.json"):
         ras.main(["gather", "--work", str(tmp_path / "x"), "--state", str(tmp_path), *kit])
+    # the device script's CPU dry run (--tiny) leaves the committed state, the real kit's, alone
+    ras.main(["gather", "--tiny", "--work", str(tmp_path / "tiny"), "--state", str(root / "b1"), *kit])
+    assert not ras.Work(tmp_path / "tiny").regen.exists()
 
 
 def test_regenerated_ids_of_another_kits_shards_are_refused_by_name(runs, tmp_path):
