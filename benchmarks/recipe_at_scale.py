@@ -445,30 +445,30 @@ def stage_gather(a) -> None:
     w.incoming.mkdir(parents=True, exist_ok=True)
     if (Path(a.kit) / "data").exists():
         shutil.copytree(Path(a.kit) / "data", w.root / "data", dirs_exist_ok=True)
-    if a.state and a.tiny:  # the committed state is the real scale's: the CPU dry run of the device script
-        log(f"--state {a.state}: not at the tiny scale (its shards are the real kit's)")
-    elif a.state:
-        gather_state(w, Path(a.state), [Path(p) for p in (a.inputs or [])])
     for src in [Path(p) for p in (a.inputs or [])]:
         for f in sorted(src.rglob("*")) if src.is_dir() else [src]:
             if f.is_file() and (".part" in f.name or f.name.endswith(".set.json")):
                 shutil.copyfile(f, w.incoming / f.name)
+    if a.state and a.tiny:  # the committed state is the real scale's: the CPU dry run of the device script
+        log(f"--state {a.state}: not at the tiny scale (its shards are the real kit's)")
+    elif a.state:
+        gather_state(w, Path(a.state))
     for name in join_sets(w.incoming, w.root):
         if name == "bundle.tar.zst":
             unpack_bundle(w, w.root / name, read_json(w.incoming / "bundle.tar.zst.set.json"))
 
 
-def gather_state(w: Work, state: Path, carried: list[Path]) -> None:
+def gather_state(w: Work, state: Path) -> None:
     """The committed bundle under `state` (its parts and set manifest), joined in a folder of its own (the carried
     bundle's file names are the same) and unpacked where it is the newest state this machine will see: not over
-    a later state, and not where a carried bundle (this call's or one waiting in <work>/in) is as new."""
+    a later state, and not where the carried bundle (put aside in <work>/in, by this call or an earlier one) is as
+    new."""
     man = read_json(state / "bundle.tar.zst.set.json")
     if man is None:
         raise SystemExit(f"--state {state}: no bundle.tar.zst.set.json there")
-    newest_carried = max((int((read_json(d / "bundle.tar.zst.set.json") or {}).get("seq", 0))
-                          for d in [w.incoming, *carried] if d.is_dir()), default=0)
-    if newest_carried >= man["seq"]:
-        log(f"committed state {man['seq']}: bundle {newest_carried} is carried; not unpacked")
+    carried = int((read_json(w.incoming / "bundle.tar.zst.set.json") or {}).get("seq", 0))
+    if carried >= man["seq"]:
+        log(f"committed state {man['seq']}: bundle {carried} is carried; not unpacked")
         return
     if int(w.progress().get("bundle_seq", 0)) >= man["seq"]:
         return  # a warm machine past it (unpack_bundle would say so on every call)
