@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_pipeline.drafter.head_loss import head_cross_entropy, head_soft_cross_entropy
+from dflash_pipeline.drafter.head_loss import chunk_spans, head_cross_entropy, head_soft_cross_entropy
 
 
 def _case(t=37, h=16, v=301, seed=0):
@@ -38,6 +38,30 @@ def test_chunked_soft_ce_equals_the_plain_path_values_and_gradients(chunk):
     nll_ref = -log_q.gather(1, y_a[:, None]).squeeze(1)
     for nll in (nll_a, nll_b, nll_c):
         assert torch.allclose(nll, nll_ref, atol=1e-5) and not nll.requires_grad
+
+
+@pytest.mark.parametrize("chunk", [0, 4, 16, 64])
+def test_each_position_read_once_gives_the_per_token_values_and_gradients(chunk):
+    """Overlapping blocks score a position many times: the target's rows passed once each with every token's row
+    (`inverse`, and per chunk the span it reads) give exactly what one row per token gives."""
+    hidden, weight, rows = _case(t=37)
+    g = torch.Generator().manual_seed(1)
+    inverse = torch.sort(torch.randint(0, 12, (37,), generator=g)).values  # sorted, as sorted anchors give
+    inverse[5] = 11  # and a token out of order: spans stay right, only wider
+    expanded = rows[:12][inverse]
+    outs = []
+    for target, inv in ((expanded, None), (rows[:12], inverse)):
+        h = hidden.clone().requires_grad_()
+        ce, top, y, nll = head_soft_cross_entropy(h, weight, target, chunk, inv)
+        (ce * torch.linspace(0.1, 1.0, len(ce))).sum().backward()
+        outs.append((ce, top, y, nll, h.grad))
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=1e-6) if a.is_floating_point() else torch.equal(a, b)
+    if chunk:
+        spans = chunk_spans(inverse, chunk)
+        assert len(spans) == -(-37 // chunk) and spans[0] == (0, int(inverse[:chunk].max()) + 1)
+        again = head_soft_cross_entropy(hidden, weight, rows[:12], chunk, inverse, spans)
+        assert torch.allclose(again[0], outs[0][0].detach(), atol=1e-6)
 
 
 def test_a_sharp_target_distribution_is_the_hard_label_and_a_flat_one_is_not():

@@ -79,6 +79,35 @@ def test_host_scored_index_gives_the_same_loss_and_gradients(parts, weighting):
         assert torch.equal(a.count, b.count) and a.scored_tokens == b.scored_tokens == len(indexed.scored_index)
 
 
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_soft_labels_read_once_per_position_give_the_same_loss_and_gradients(parts, chunk):
+    """With soft labels the host index also lists the positions whose target distribution the scored tokens read,
+    each once (with_scored_index(soft_chunk=)): up to block_size - 1 blocks score one position, and the loss,
+    its D-PACE weights and the gradients are those of one target row per scored token, in both layouts."""
+    cfg, head, target = parts
+    samples, anc = _samples(cfg, target, anchors=30)  # dense anchors: overlapping blocks
+    for batch in (collate(samples, anc, num_blocks=32), collate_packed(samples, anc, token_multiple=64)):
+        soft = torch.randn(*batch.input_ids.shape, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+        plain, once = with_scored_index(batch, cfg.block_size), with_scored_index(batch, cfg.block_size, chunk)
+        assert torch.equal(plain.scored_index, once.scored_index) and plain.soft_rows is None
+        assert len(once.soft_rows) < len(once.scored_index) / 3  # the reuse the dedupe exists for
+        assert torch.equal(torch.unique(once.soft_rows), once.soft_rows)
+        outs = []
+        for b in (plain, once):
+            torch.manual_seed(0)
+            drafter = DFlashDrafter(cfg)
+            out = block_loss(drafter, head, b, b.features, 4.0, head_chunk=chunk, weighting="dpace",
+                             dpace_alpha=0.2, soft=soft)
+            out.loss.backward()
+            outs.append((out, torch.cat([p.grad.flatten() for p in drafter.parameters()])))
+        (a, ga), (b, gb) = outs
+        assert torch.allclose(a.loss, b.loss, rtol=1e-6) and torch.allclose(ga, gb, rtol=1e-5, atol=1e-7)
+        assert torch.allclose(a.weight_sum, b.weight_sum) and torch.equal(a.correct, b.correct)
+        assert torch.equal(a.count, b.count) and a.scored_tokens == b.scored_tokens
+        moved = once.to("cpu")  # the host-side spans travel with the batch's tensors
+        assert moved.soft_spans == once.soft_spans and moved.max_sample == once.max_sample
+
+
 def test_packed_row_gives_the_padded_loss_gradients_and_counts(parts):
     """Three samples end to end in one row (positions restarting, blocks seeing their own sample only, tail
     padding) train exactly as one padded row per sample: same loss, gradients, per-position counts."""

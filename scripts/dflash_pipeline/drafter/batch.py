@@ -21,6 +21,8 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
+from dflash_pipeline.drafter.head_loss import chunk_spans
+
 
 def anchor_candidates(loss_mask) -> np.ndarray:
     """Positions p whose block scores something: loss_mask[p] and loss_mask[p + 1] both set."""
@@ -53,6 +55,12 @@ class Batch:
     # the scored block positions, flat indices into [B * N * block_size] (with_scored_index: computed on the host,
     # so the loss selects them without a device synchronisation); None: the loss computes them
     scored_index: torch.Tensor | None = None
+    # soft labels (with_scored_index(soft_chunk=)): the positions the scored tokens read the target's distribution
+    # at, each once (flat into [B * S], sorted), each scored token's one among them, and per head chunk the span
+    # of them its tokens read (head_loss.chunk_spans): the head then runs once per position, not per block
+    soft_rows: torch.Tensor | None = None
+    soft_inverse: torch.Tensor | None = None
+    soft_spans: tuple = ()
     max_sample: int = 0                       # the longest sample's length (online: the target's padded width)
 
     @property
@@ -64,16 +72,17 @@ class Batch:
         """Samples in the batch, from shapes alone (no device synchronisation): rows, or the packed spans."""
         return int(self.sample_spans.shape[0] if self.sample_spans is not None else self.input_ids.shape[0])
 
-    def _tensors(self) -> tuple:
-        return tuple(getattr(self, f.name) for f in fields(self) if f.name != "max_sample")
+    def _map(self, fn) -> "Batch":
+        """The batch with `fn` applied to each of its tensors (the host-side fields kept)."""
+        return replace(self, **{f.name: fn(t) for f in fields(self)
+                                if isinstance(t := getattr(self, f.name), torch.Tensor)})
 
     def to(self, device) -> "Batch":
-        return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in self._tensors()),
-                     max_sample=self.max_sample)
+        return self._map(lambda t: t.to(device, non_blocking=True))
 
     def pin_memory(self) -> "Batch":
         """Page-locked host copies (CPU -> GPU copies then run asynchronously, `to(non_blocking)`)."""
-        return Batch(*(None if t is None else t.pin_memory() for t in self._tensors()), max_sample=self.max_sample)
+        return self._map(lambda t: t.pin_memory())
 
 
 def collate(samples: list[dict], anchors: list[torch.Tensor], pad_multiple: int = 1, num_blocks: int = 0) -> Batch:
@@ -160,6 +169,15 @@ def scored_mask(batch: Batch, block_size: int) -> torch.Tensor:
     return (batch.block_valid[:, :, None] & (label_pos < end[:, :, None]) & supervised & (k > 0)).view(-1)
 
 
-def with_scored_index(batch: Batch, block_size: int) -> Batch:
-    """The batch with its scored positions as an index (on the host, where the batch is collated)."""
-    return replace(batch, scored_index=scored_mask(batch, block_size).nonzero().squeeze(1))
+def with_scored_index(batch: Batch, block_size: int, soft_chunk: int | None = None) -> Batch:
+    """The batch with its scored positions as an index (on the host, where the batch is collated); with
+    `soft_chunk` (soft labels: the head's chunk) also the positions whose target distribution they read."""
+    index = scored_mask(batch, block_size).nonzero().squeeze(1)
+    if soft_chunk is None:
+        return replace(batch, scored_index=index)
+    n, width = batch.anchors.shape[1], batch.input_ids.shape[1]
+    block = index // block_size
+    flat = (block // n) * width + batch.anchors.view(-1)[block] + index % block_size
+    rows, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+    return replace(batch, scored_index=index, soft_rows=rows, soft_inverse=inverse,
+                   soft_spans=chunk_spans(inverse, soft_chunk))

@@ -105,9 +105,14 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, features:
     if soft is None:
         ce, top = head_cross_entropy(scored_hidden, head.lm_head.weight, y, head_chunk)
         nll_y = ce
-    else:  # D-PACE's q: the drafter's probability of the target's greedy token, not exp(-soft CE)
+    elif batch.soft_rows is None:  # D-PACE's q: the drafter's probability of the target's greedy token
         ce, top, y, nll_y = head_soft_cross_entropy(scored_hidden, head.lm_head.weight,
                                                     scored_rows(batch, soft, index, bs), head_chunk)
+    else:  # each position's distribution once, however many blocks score it (with_scored_index)
+        width = batch.input_ids.shape[1]
+        rows = soft[batch.soft_rows // width, batch.soft_rows % width]
+        ce, top, y, nll_y = head_soft_cross_entropy(scored_hidden, head.lm_head.weight, rows, head_chunk,
+                                                    batch.soft_inverse, batch.soft_spans)
     if weighting == "dpace":
         w = w * dpace_weights(nll_y, index, hidden.shape[0] * hidden.shape[1], bs, dpace_alpha)
     wsum, total = w.sum(), (ce * w).sum()

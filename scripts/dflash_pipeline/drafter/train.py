@@ -383,7 +383,9 @@ def collate_micro(run: TrainingRun, micro) -> list:
         else:  # fixed padded shapes on GPU, so compiled kernels see few distinct shapes
             batch = collate(samples, anchors, pad_multiple=256 if run.gpu else 1,
                             num_blocks=run.settings.num_anchors if run.gpu else 0)
-        batch = with_scored_index(batch, run.dcfg.block_size)  # the loss then selects without a device sync
+        # the loss then selects without a device sync (and with soft labels reads each position's distribution once)
+        batch = with_scored_index(batch, run.dcfg.block_size,
+                                  run.settings.head_chunk if run.settings.labels == "distill" else None)
         counts = batch_counts(batch, run.dcfg.block_size)
         out.append((batch.pin_memory() if run.gpu else batch, counts))
     return out
