@@ -118,3 +118,21 @@ def test_next_hidden_through_the_head_is_the_targets_own_next_token_distribution
         assert torch.allclose(via_head[b, 1:n], logits[b, :n - 1], atol=1e-4)
         assert torch.equal(via_head[b, 1:n].argmax(-1), pred[b, 1:n])
     assert not nxt[:, 0].any()
+
+
+def test_the_distill_speed_benchmark_runs_its_variants_and_checks_they_agree():
+    """benchmarks/distill_head_speed.py (the GPU side-by-side of hard, soft and soft-once steps) on CPU, tiny."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root / 'scripts'}{os.pathsep}{root / 'benchmarks'}"}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "distill_head_speed.py"), "--tiny", "--device",
+                           "cpu"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "check soft-once vs soft" in proc.stdout
+    table = [line.split("|") for line in proc.stdout.splitlines() if line.startswith(("hard ", "soft ", "soft-once"))]
+    assert [row[0].strip() for row in table] == ["hard", "soft", "soft-once"]
+    assert all(float(row[1]) > 0 for row in table)
