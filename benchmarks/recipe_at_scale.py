@@ -108,6 +108,7 @@ VARIANTS = {
     "batch-4": {"batch_size": 4},
     # 1 epoch of all 36,619 turns ended still learning (train accuracy 0.144; H100, 2026-12-06)
     "epochs-3": {"epochs": 3.0},
+    "epochs-2": {"epochs": 2.0},                   # the new defaults ended 1 epoch of all data at train accuracy 0.19
     # the same recipe, all samples of a micro-batch in one row: its speed and that tau does not move
     "packed": {"layout": "packed"},
     # SpecForge's AdamW beta2 (ours 0.95): what is left between its trainer and ours once the loss is the same
