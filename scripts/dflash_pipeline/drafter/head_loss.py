@@ -11,10 +11,11 @@ keeps that [T, H] gradient, and backward scales it by the incoming gradient. Sam
 `labels: distill` scores each token against the target's whole next-token distribution instead of one token:
 the soft cross-entropy -sum_v p_v log q_v (the KL to the target plus its entropy, a constant), whose gradient
 is softmax - p. The target's logits come from its final hidden state through the same frozen head, chunk by
-chunk as well (a third matmul per token). A position is scored by up to block_size - 1 overlapping blocks (~13
-on ShareGPT turns at 512 anchors), so the soft path takes the target's rows once each (`inverse`: each scored
-token's row) and, per chunk, runs the head over the span of rows that chunk reads only (`spans`, found on the host
-with the scored index): with sorted anchors a chunk of 2,048 scored tokens reads a few hundred rows.
+chunk as well (a third matmul per token). A position is scored by up to block_size - 1 overlapping blocks (~9 on
+average at the recipe's shape and 512 anchors: benchmarks/distill_head_speed.py), so the soft path takes the
+target's rows once each (`inverse`: each scored token's row) and, per chunk, runs the head over the span of rows
+that chunk reads only (`spans`, found on the host with the scored index): with sorted anchors a chunk of 2,048
+scored tokens reads a few hundred rows.
 """
 
 from __future__ import annotations
@@ -47,17 +48,19 @@ def _on(device: torch.device, fn):
     return _COMPILED[fn.__name__]
 
 
-def _soft_terms(lf: torch.Tensor, tf: torch.Tensor, rows: torch.Tensor):
+def _soft_terms(lf: torch.Tensor, tf: torch.Tensor, rows: torch.Tensor | None):
     """(soft ce, argmax, the target's argmax y, -log q_y, log-sum-exp, p) of one chunk's fp32 logits: the drafter's
-    `lf` [n, V], the target's `tf` [R, V] of the rows the chunk reads, `rows` [n] (each token's row of tf); -log
-    q_y, the drafter's CE against the target's greedy token, is D-PACE's acceptance estimate."""
+    `lf` [n, V] and the target's `tf`, [n, V] (one row per token) or with `rows` [n] the [R, V] rows the chunk
+    reads (token t reads row rows[t]); -log q_y, the drafter's CE against the target's greedy token, is D-PACE's
+    acceptance estimate."""
     lse = torch.logsumexp(lf, dim=-1)
-    p = torch.softmax(tf, dim=-1)[rows]
-    y = tf.argmax(-1)[rows]
+    p, y = torch.softmax(tf, dim=-1), tf.argmax(-1)
+    if rows is not None:
+        p, y = p[rows], y[rows]
     return lse - (p * lf).sum(-1), lf.argmax(-1), y, lse - lf.gather(1, y[:, None]).squeeze(1), lse, p
 
 
-def _soft_ce_and_grad(logits: torch.Tensor, target_logits: torch.Tensor, rows: torch.Tensor):
+def _soft_ce_and_grad(logits: torch.Tensor, target_logits: torch.Tensor, rows: torch.Tensor | None):
     """(soft ce fp32, argmax, the target's argmax, -log q of it, d ce / d logits = softmax - p) of one chunk."""
     lf = logits.float()
     ce, top, y, nll_y, lse, p = _soft_terms(lf, target_logits.float(), rows)
@@ -73,8 +76,6 @@ def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ne
     logits = F.linear(h, weight)
     if target.is_floating_point():
         target_logits = F.linear(target.to(weight.dtype), weight)
-        if rows is None:
-            rows = torch.arange(h.shape[0], device=h.device)
         if not need_grad:
             ce, top, y, nll_y, _, _ = _soft_terms(logits.float(), target_logits.float(), rows)
             return ce, top, y, nll_y, None
@@ -160,8 +161,7 @@ def head_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_h
         logits = F.linear(hidden.to(weight.dtype), weight).float()
         with torch.no_grad():
             target_logits = F.linear(target_hidden.to(weight.dtype), weight).float()
-            rows = torch.arange(hidden.shape[0], device=hidden.device) if inverse is None else inverse
-            _, top, y, nll_y, _, p = _soft_terms(logits.detach(), target_logits, rows)
+            _, top, y, nll_y, _, p = _soft_terms(logits.detach(), target_logits, inverse)
         ce = F.cross_entropy(logits, p, reduction="none")
         return ce, top, y, nll_y
     return _ChunkedHeadCE.apply(hidden, weight, target_hidden, int(chunk), inverse, spans)
