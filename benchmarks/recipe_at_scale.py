@@ -1124,8 +1124,8 @@ def peer_layout(w: Work, device: str, loss: str) -> Path:
 
     plan = read_json(w.results / "peer-plan.json")
     run = ours_for_peers(plan)
-    if plan is None or not w.run_state(run).get("exported"):
-        raise SystemExit(f"peers: run peer-plan and train --runs {run} first (the shape and recipe they copy)")
+    if plan is None:  # the shape comes from the run's files, else shape_configs rebuilds it (one step)
+        raise SystemExit("peers: run peer-plan first")
     drafter_config, engine_config = shape_configs(w, run, device)
     p = w.peers
     res = p / "wf" / "results"

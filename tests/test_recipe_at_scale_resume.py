@@ -278,11 +278,15 @@ def test_one_peers_files_at_a_time_from_ours_samples(runs, tiny_target):
         call("peer-data", extra=("--peer", "speculators"))
     call("peer-clean", extra=("--peer", "specforge"))
     assert not (a.peers / "peer_sf").exists()
-    # a cold machine: the bundle carries no finished run's files; the peers get the same shape, rebuilt
+    # a cold machine, or a run never trained (--peer-all compares with `paper` on all the data, which the
+    # device never ran: 2026-12-07 it stopped the peers there): no run files, no state; the same shape, rebuilt
     cold = ras.Work(root / "cold")
     shutil.copytree(a.root, cold.root, symlinks=True)
     for d in (cold.train / "paper@sub", cold.drafters / "paper@sub", cold.peers):
         shutil.rmtree(d)
+    progress = cold.progress()
+    del progress["runs"]["paper@sub"]
+    cold.progress_path.write_text(json.dumps(progress))
     p = ras.peer_layout(cold, "cpu", "decay")
     for got, want in ((p / "wf/results/train/drafter/drafter_config.json",
                        a.train / "paper@sub/drafter/drafter_config.json"),
