@@ -695,52 +695,77 @@ def read_regen(path: Path) -> tuple[dict, list[list[list[int]]]]:
 # ------------------------------------------------------------------------------------------------ tokens
 def stage_tokens(a) -> None:
     """Per generated turn one training sample: the context the engine fed + the ids it emitted (supervised),
-    cut to the training length; deterministic, so a cold machine rebuilds the same bytes from regen files."""
-    import pyarrow as pa
+    cut to the training length; deterministic, so a cold machine rebuilds the same bytes from regen files. The
+    shards are independent: one process each (--token-workers; 67 s for 16 shards in one process on the H100
+    machine, 2026-12-07), in spawned processes, not forked: the tokenizer's threads do not survive a fork."""
     import pyarrow.parquet as pq
 
     w = Work(a.work)
     w.tokens.mkdir(parents=True, exist_ok=True)
-    r, n_max = None, SCALE["context"]
-    for shard in shard_names(w):
-        src, dest = w.regen / f"{shard}.npz.zst", w.tokens / f"{shard}.parquet"
-        if dest.exists() or not src.exists():
-            continue
-        r = r or Renderer(target_dir(w))
-        meta, samples = read_regen(src)
-        originals = {s["sample_id"]: s["messages"] for s in pq.read_table(w.shards / f"{shard}.parquet").to_pylist()}
-        cols = {k: [] for k in ("sample_id", "input_ids", "loss_mask", "length", "num_loss_tokens", "truncated")}
-        for sid, outs in zip(meta["sample_ids"], samples):
-            # regen files carried or committed from another kit (other shards, other max_turns) must not pair
-            # their ids with these conversations
-            if sid not in originals:
-                raise SystemExit(f"{src}: sample {sid} is not in {w.shards / shard}.parquet: these regenerated ids "
-                                 "come from another kit's shards; remove <work>/regen (and --state) to regenerate")
-            ctxs = turn_contexts(originals[sid], [r.answer(o) for o in outs])
-            if len(ctxs) != len(outs):
-                raise SystemExit(f"{src}: sample {sid} has {len(outs)} generated turns, its conversation in "
-                                 f"{shard} {len(ctxs)}: these regenerated ids come from another kit's shards")
-            for k, (ctx, out) in enumerate(zip(ctxs, outs)):
-                p = r.prompt(ctx)
-                ids, mask = (p + out)[:n_max], ([0] * len(p) + [1] * len(out))[:n_max]
-                if sum(mask[1:]) == 0:
-                    continue  # the context fills the window: nothing to learn
-                for key, v in (("sample_id", f"{sid}.t{k}"), ("input_ids", ids), ("loss_mask", mask),
-                               ("length", len(ids)), ("num_loss_tokens", sum(mask)),
-                               ("truncated", len(p) + len(out) > n_max)):
-                    cols[key].append(v)
-        table = pa.table({"sample_id": pa.array(cols["sample_id"], pa.string()),
-                          "input_ids": pa.array(cols["input_ids"], pa.list_(pa.int32())),
-                          "loss_mask": pa.array(cols["loss_mask"], pa.list_(pa.int8())),
-                          "length": pa.array(cols["length"], pa.int32()),
-                          "num_loss_tokens": pa.array(cols["num_loss_tokens"], pa.int32()),
-                          "truncated": pa.array(cols["truncated"], pa.bool_())})
-        tmp = dest.with_suffix(".partial")
-        pq.write_table(table, tmp, compression="zstd")
-        os.replace(tmp, dest)
-        log(f"tokens {shard}: {table.num_rows} turn samples, {sum(cols['length']):,} tokens")
+    todo = [s for s in shard_names(w) if (w.regen / f"{s}.npz.zst").exists() and
+            not (w.tokens / f"{s}.parquet").exists()]
+    workers = min(len(todo), a.token_workers or os.cpu_count() or 1)
+    if workers > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = pool.map(token_shard, [str(w.root)] * len(todo), todo, [SCALE["context"]] * len(todo))
+            for shard, (rows, tokens) in zip(todo, done):
+                log(f"tokens {shard}: {rows} turn samples, {tokens:,} tokens")
+    else:
+        for shard in todo:
+            rows, tokens = token_shard(str(w.root), shard, SCALE["context"])
+            log(f"tokens {shard}: {rows} turn samples, {tokens:,} tokens")
     stats = [pq.read_metadata(p).num_rows for p in sorted(w.tokens.glob("*.parquet"))]
     w.update(tokens={"shards": len(stats), "samples": sum(stats)})
+
+
+_RENDERERS: dict[str, Renderer] = {}  # per process: a worker builds several shards with one tokenizer
+
+
+def token_shard(root: str, shard: str, n_max: int) -> tuple[int, int]:
+    """One shard's token file from its regen file (written aside, then renamed), cut to n_max tokens a sample (a
+    spawned worker has the module's SCALE, not --tiny's); (turn samples, tokens)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    w = Work(root)
+    src, dest = w.regen / f"{shard}.npz.zst", w.tokens / f"{shard}.parquet"
+    model_dir = str(target_dir(w))
+    r = _RENDERERS.get(model_dir) or _RENDERERS.setdefault(model_dir, Renderer(Path(model_dir)))
+    meta, samples = read_regen(src)
+    originals = {s["sample_id"]: s["messages"] for s in pq.read_table(w.shards / f"{shard}.parquet").to_pylist()}
+    cols = {k: [] for k in ("sample_id", "input_ids", "loss_mask", "length", "num_loss_tokens", "truncated")}
+    for sid, outs in zip(meta["sample_ids"], samples):
+        # regen files carried or committed from another kit (other shards, other max_turns) must not pair
+        # their ids with these conversations
+        if sid not in originals:
+            raise SystemExit(f"{src}: sample {sid} is not in {w.shards / shard}.parquet: these regenerated ids "
+                             "come from another kit's shards; remove <work>/regen (and --state) to regenerate")
+        ctxs = turn_contexts(originals[sid], [r.answer(o) for o in outs])
+        if len(ctxs) != len(outs):
+            raise SystemExit(f"{src}: sample {sid} has {len(outs)} generated turns, its conversation in "
+                             f"{shard} {len(ctxs)}: these regenerated ids come from another kit's shards")
+        for k, (ctx, out) in enumerate(zip(ctxs, outs)):
+            p = r.prompt(ctx)
+            ids, mask = (p + out)[:n_max], ([0] * len(p) + [1] * len(out))[:n_max]
+            if sum(mask[1:]) == 0:
+                continue  # the context fills the window: nothing to learn
+            for key, v in (("sample_id", f"{sid}.t{k}"), ("input_ids", ids), ("loss_mask", mask),
+                           ("length", len(ids)), ("num_loss_tokens", sum(mask)),
+                           ("truncated", len(p) + len(out) > n_max)):
+                cols[key].append(v)
+    table = pa.table({"sample_id": pa.array(cols["sample_id"], pa.string()),
+                      "input_ids": pa.array(cols["input_ids"], pa.list_(pa.int32())),
+                      "loss_mask": pa.array(cols["loss_mask"], pa.list_(pa.int8())),
+                      "length": pa.array(cols["length"], pa.int32()),
+                      "num_loss_tokens": pa.array(cols["num_loss_tokens"], pa.int32()),
+                      "truncated": pa.array(cols["truncated"], pa.bool_())})
+    tmp = dest.with_suffix(".partial")
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, dest)
+    return table.num_rows, sum(cols["length"])
 
 
 # ------------------------------------------------------------------------------------------------ train
@@ -1677,6 +1702,7 @@ def parse_args(argv=None):
     ap.add_argument("--wheels-from", default=str(REPO / ".device" / "realbench" / "whl"),
                     help="kit: wheels real_target_side_by_side.py's kit downloaded (zstandard, gguf, the peers')")
     ap.add_argument("--target-dir", default="", help="target: a transformers directory instead of the GGUF")
+    ap.add_argument("--token-workers", type=int, default=0, help="tokens: processes, one shard each (0: cores)")
     ap.add_argument("--max-shards", type=int, default=0, help="generate: at most this many shards this call (0: all)")
     ap.add_argument("--gen-batch", type=int, default=0, help="generate: slot engine rows (0: the scale's, 512)")
     ap.add_argument("--slot-width", type=int, default=2048,
