@@ -261,7 +261,8 @@ class BatchDecoder:
         hidden = self.drafter(self.head.embed(block).to(self.ddtype), feats.to(self.ddtype), ctx_pos, block_pos,
                               mask=self.dcache.block_mask(rows.start, bs), cache=self.dcache)
         draft_logits = self.head.lm_head(hidden[:, 1:].to(self.head.lm_head.weight.dtype))
-        u = uniforms(self.seed, self.uid, rows.steps + 1, self.rule.slots_for(bs))
+        slots = self.rule.slots_for(bs)
+        u = uniforms(self.seed, self.uid, rows.steps + 1, slots) if slots else None
         draft, q = self.rule.propose(draft_logits, u)
         logits = self.tgt(torch.cat([rows.last[:, None], draft], 1), block_pos)
         new_feats = self.cap.features()
