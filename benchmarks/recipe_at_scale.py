@@ -37,17 +37,21 @@ The peers on the largest subset that fits, a warm machine's calls in a row (the 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gzip
 import hashlib
 import io
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import signal
 import sys
 import tarfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -705,23 +709,19 @@ def stage_tokens(a) -> None:
     todo = [s for s in shard_names(w) if (w.regen / f"{s}.npz.zst").exists() and
             not (w.tokens / f"{s}.parquet").exists()]
     workers = min(len(todo), a.token_workers or os.cpu_count() or 1)
-    if workers > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = pool.map(token_shard, [str(w.root)] * len(todo), todo, [SCALE["context"]] * len(todo))
-            for shard, (rows, tokens) in zip(todo, done):
-                log(f"tokens {shard}: {rows} turn samples, {tokens:,} tokens")
-    else:
-        for shard in todo:
-            rows, tokens = token_shard(str(w.root), shard, SCALE["context"])
+    with (ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers > 1
+          else contextlib.nullcontext()) as pool:
+        done = (pool.map if pool else map)(token_shard, [str(w.root)] * len(todo), todo, [SCALE["context"]] * len(todo))
+        for shard, (rows, tokens) in zip(todo, done):
             log(f"tokens {shard}: {rows} turn samples, {tokens:,} tokens")
     stats = [pq.read_metadata(p).num_rows for p in sorted(w.tokens.glob("*.parquet"))]
     w.update(tokens={"shards": len(stats), "samples": sum(stats)})
 
 
-_RENDERERS: dict[str, Renderer] = {}  # per process: a worker builds several shards with one tokenizer
+@functools.lru_cache(maxsize=None)
+def renderer(model_dir: str) -> Renderer:
+    """One per process: a worker builds several shards with one tokenizer."""
+    return Renderer(Path(model_dir))
 
 
 def token_shard(root: str, shard: str, n_max: int) -> tuple[int, int]:
@@ -732,8 +732,7 @@ def token_shard(root: str, shard: str, n_max: int) -> tuple[int, int]:
 
     w = Work(root)
     src, dest = w.regen / f"{shard}.npz.zst", w.tokens / f"{shard}.parquet"
-    model_dir = str(target_dir(w))
-    r = _RENDERERS.get(model_dir) or _RENDERERS.setdefault(model_dir, Renderer(Path(model_dir)))
+    r = renderer(str(target_dir(w)))
     meta, samples = read_regen(src)
     originals = {s["sample_id"]: s["messages"] for s in pq.read_table(w.shards / f"{shard}.parquet").to_pylist()}
     cols = {k: [] for k in ("sample_id", "input_ids", "loss_mask", "length", "num_loss_tokens", "truncated")}

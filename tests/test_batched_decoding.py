@@ -4,6 +4,9 @@ divergence (fp32, tiny real models on CPU)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,6 +20,9 @@ from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.drafter.speculative import greedy_generate, speculative_generate
 from dflash_pipeline.drafter.target_head import TargetHead
 from dflash_pipeline.errors import PipelineError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import decode_step_kernels  # noqa: E402
 
 VOCAB, BLOCK, MAX_NEW = 8, 4, 30
 
@@ -240,18 +246,12 @@ def test_prompts_longer_than_the_context_are_skipped_or_refused(small, capsys):
 def test_a_greedy_step_draws_no_uniforms_and_a_sampling_step_does(small):
     """Greedy verification needs no randomness: its speculative step dispatches none of the counter hashing that a
     sampling step runs (72 kernels a step at batch 1; benchmarks/decode_step_kernels.py counts them by part)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from decode_step_kernels import step_counts
-
     target, drafter, head, prompts = small
     hashing = {"bitwise_xor", "__rshift__", "__lshift__"}
     parts = {"target forward": target, "drafter forward": drafter}
     for rule, draws in ((BatchedGreedy(), False), (BatchedSampling(0.9), True)):
-        counts = step_counts(BatchDecoder(target, prompts[:1], MAX_NEW, set(), drafter=drafter, head=head, rule=rule,
-                                          graphs=False), parts)
+        decoder = BatchDecoder(target, prompts[:1], MAX_NEW, set(), drafter=drafter, head=head, rule=rule, graphs=False)
+        counts = decode_step_kernels.step_counts(decoder, parts)
         assert bool(hashing & set(counts["rest"])) is draws
         assert counts["drafter forward"]["mm"] >= 2 * 7  # the parts are attributed: 2 layers of 7+ projections
 
@@ -259,12 +259,6 @@ def test_a_greedy_step_draws_no_uniforms_and_a_sampling_step_does(small):
 def test_the_kernel_count_benchmark_prints_its_table(capsys):
     """benchmarks/decode_step_kernels.py --tiny: the parts add up to each step's total, and the speculative step
     dispatches more kernels than the plain one (the drafter's forward on top of a wider verification)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import decode_step_kernels
-
     res = decode_step_kernels.main(["--tiny", "--prompt", "40"])
     out = capsys.readouterr().out
     for kind in ("plain", "spec"):
