@@ -36,7 +36,7 @@ def _hidden(run: Path) -> str:
     from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
 
     h = hashlib.sha256()
-    for p in sorted(run.glob("results/hidden/*.dfhs")):
+    for p in sorted(run.glob("results/hidden/groups/*/*.dfhs"), key=lambda p: p.name):  # shard order
         r = HiddenStateShardReader(p)
         for i, sid in enumerate(r.sample_ids):
             h.update(sid.encode())

@@ -5,7 +5,7 @@
 #   call 1, carry whl + gguf.partA:  bash benchmarks/real_target_device.sh 1 [benchmark commands ...]
 #   call 2, carry data + gguf.partB: bash benchmarks/real_target_device.sh 2    (then 3, 4: the same chain resumed)
 #   PEERS=0 bash benchmarks/real_target_device.sh 2: ours, the untrained drafter and the variants only
-#   UNTIL=hidden/X.dfhs ...: the workflow up to that results path (default all)
+#   UNTIL=hidden/groups/X ...: the workflow up to that results path (default all)
 #
 # Call 1 installs the wheels, copies its GGUF half aside and runs the benchmark commands given to it (each
 # stopped before the call's budget). Later calls join the halves and run the chain: the workflow on the real

@@ -342,8 +342,11 @@ def collect_workflow(results: Path, out: Path) -> None:
     runs = [g.get("this_run") or {} for g in gen if g]
     gen_tokens = sum(r.get("completion_tokens", 0) for r in runs)
     gen_wall = sum(r.get("wall_s", 0) for r in runs)
-    stats = sorted(str(p) for p in (results / "hidden").glob("*.stats.json"))  # extract's per-shard stats
-    ext = [read_json(p) for p in stats]
+    from dflash_pipeline.hidden_states.group_stats import read_shard_stats
+
+    # extract's stats: each group's file, one row a shard
+    stats = sorted(str(p) for p in (results / "hidden" / "groups").glob("*.stats.json"))
+    ext = [st for _, st in read_shard_stats(stats)]
     rate, records = median_train_rate(results / "train" / "drafter" / "metrics.jsonl")
     write_json(out / "workflow.json", {
         "rule_seconds": rules,
@@ -795,7 +798,7 @@ def workflow_train_settings(train_log: Path) -> dict:
 def stage_variants(a) -> None:
     w, out = Path(a.work), Path(a.out)
     results = w / "wf" / "results"
-    hidden = sorted(str(p) for p in (results / "hidden").glob("*.dfhs"))
+    hidden = sorted(str(p) for p in (results / "hidden" / "groups").glob("*/*.dfhs"))  # the extraction groups'
     if not hidden or not (results / "drafter" / "config.json").exists():
         raise SystemExit("variants: the workflow has not trained and exported its drafter yet")
     base = workflow_train_settings(results / "logs" / "train.log")

@@ -222,8 +222,8 @@ def rates_token_files(wildcards):
 
 
 def train_inputs(wildcards):
-    if TRAIN["mode"] == "offline":
-        return expand(os.path.join(R, "hidden/{shard}.dfhs"), shard=shard_ids())
+    if TRAIN["mode"] == "offline":  # the extraction groups' directories (rules/extract.smk), in shard order
+        return expand(os.path.join(R, "hidden/groups/{exgroup}"), exgroup=EXTRACTION_GROUPS.groups(shard_ids()))
     return expand(os.path.join(R, "tokens", training_dataset(), "{shard}.parquet"), shard=shard_ids())
 
 
@@ -243,7 +243,9 @@ def report_inputs(wildcards):
         inputs["generation"] = expand(os.path.join(R, "completions/{shard}.summary.json"), shard=shard_ids())
         inputs["calibration"] = CALIBRATION
     if config["train"]["mode"] == "offline":  # hidden-state shards exist only when training reads them
-        inputs["extraction"] = expand(os.path.join(R, "hidden/{shard}.stats.json"), shard=shard_ids())
+        inputs["extraction"] = expand(
+            os.path.join(R, "hidden/groups/{exgroup}.stats.json"), exgroup=EXTRACTION_GROUPS.groups(shard_ids())
+        )
     return inputs
 
 

@@ -2,11 +2,13 @@
 #
 # One extraction job takes a group: the extract.shards_per_job consecutive shards of one source file (1: a
 # group of one). It pays python, torch and the target's load (and compilation) once for the group, writes each
-# shard's file and stats under hidden/groups/{exgroup}.partial/ and renames the directory at the end; a cheap
-# local job then links each shard's file out to hidden/{shard}.dfhs (a hard link: no copy of the states).
-# The same two rules whatever the group size. A killed job leaves the .partial directory: the rerun keeps
-# the shards finished there (same tokens and settings: extract.py resume_key) and resumes the one it was
-# writing from its journal. A changed shard redoes its group's job; the other groups are not touched.
+# shard's file and stats under hidden/groups/{exgroup}.partial/ and renames the directory at the end, beside
+# hidden/groups/{exgroup}.stats.json (every shard's stats: what the plan and the report read). Training reads
+# the group directories themselves: no job copies or links hidden states out of them, so on S3 storage they go
+# up once from the extraction job and down once to the training job, never through the Snakemake host. A
+# killed job leaves the .partial directory: the rerun keeps the shards finished there (same tokens and
+# settings: extract.py resume_key) and resumes the one it was writing from its journal. A changed shard
+# redoes its group's job; the other groups are not touched.
 
 
 rule preview:
@@ -24,7 +26,7 @@ rule preview:
         model=lambda wc, input: target_model_dir(input.model),
         target=TOKENIZER_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         config=PARAMS.plan(),
-        stats=os.path.join(R, "hidden/*.stats.json"),
+        stats=os.path.join(R, "hidden/groups/*.stats.json"),
     shell:
         "dflash-pipeline plan --tokens {input.tokens:q} --model {params.model:q} --config {params.config:q} "
         "--hidden-stats {params.stats:q} --assume-generation --out {output:q} 2>&1 | tee {log:q}; "
@@ -49,7 +51,7 @@ checkpoint plan:
         model=lambda wc, input: target_model_dir(input.model),
         target=TOKENIZER_IDENTITY,  # reruns the job when the target changes in place (rules/common.smk)
         config=PARAMS.plan(),
-        stats=os.path.join(R, "hidden/*.stats.json"),
+        stats=os.path.join(R, "hidden/groups/*.stats.json"),
         rates=lambda wc, input: f"--rates {shlex.quote(input.rates[0])}" if input.rates else "",
     shell:
         # printed to the terminal as well: this is what the user must read before the GPUs start
@@ -70,7 +72,8 @@ rule extract:
         verdicts=settled,
         model=target_model_files(),
     output:
-        directory(os.path.join(R, "hidden/groups/{exgroup}")),
+        group=directory(os.path.join(R, "hidden/groups/{exgroup}")),  # first: partial_dir names it
+        stats=os.path.join(R, "hidden/groups/{exgroup}.stats.json"),
     log:
         log("extract/{exgroup}"),
     benchmark:
@@ -99,27 +102,5 @@ rule extract:
         # resumes from them; only a complete group is renamed into place
         "mkdir -p {params.partial:q} && "
         "dflash-pipeline with-gpus --n {resources.gpu} -- dflash-pipeline extract --tokens {input.tokens:q} --model {params.model:q} "
-        "--out {params.outs:q} --stats {params.stats:q} --settings {params.settings:q} --encode-threads {threads} "
-        "> {log:q} 2>&1 && rm -rf {output:q} && mv {params.partial:q} {output:q}"
-
-
-rule hidden_from_group:
-    input:
-        group=lambda wc: os.path.join(R, f"hidden/groups/{EXTRACTION_GROUPS.of(wc.shard)}"),
-        verdicts=settled,
-    output:
-        hidden=os.path.join(R, "hidden/{shard}.dfhs"),
-        stats=os.path.join(R, "hidden/{shard}.stats.json"),
-    log:
-        log("extract/{shard}.link"),
-    conda:
-        ENV_CPU
-    shell:
-        link_out(
-            ("{input.group:q}/{wildcards.shard}.dfhs", "{output.hidden:q}"),
-            ("{input.group:q}/{wildcards.shard}.stats.json", "{output.stats:q}"),
-        )
-
-
-localrules:
-    hidden_from_group,
+        "--out {params.outs:q} --stats {params.stats:q} --group-stats {output.stats:q} --settings {params.settings:q} "
+        "--encode-threads {threads} > {log:q} 2>&1 && rm -rf {output.group:q} && mv {params.partial:q} {output.group:q}"

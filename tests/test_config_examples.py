@@ -152,11 +152,12 @@ def test_example_plans_the_whole_pipeline(tmp_path, tiny_target, demo_raw):
     proc = snakemake(work, "-n", "-p", "--resources", "gpu=8", configfiles=configs)
     plan = planned(proc)
     # the regenerated dataset's audit and gate join the plan once the source gate (a checkpoint) has run
-    # one shard and one tokenize job per shard here (ingest.shards_per_job 1), each linked out by a local job
+    # one shard and one tokenize job per shard here (ingest.shards_per_job 1), each linked out by a local job;
+    # training reads the extraction groups' directories (nothing linked out of them)
     expect = {"shard": n, "shard_from_group": n, "tokenize": 2 * n, "tokens_from_group": 2 * n, "audit": 1, "gate": 1, "calibration_sample": 1, "calibrate": 1,
               "calibrate_rates": 1,
               "plan": 1, "generation_gate": 1, "generate": files, "completions_from_group": n,
-              "extract": groups, "hidden_from_group": n, "train": 1, "export": 1, "evaluate": 1, "evaluate_gate": 1, "run_report": 1, "all": 1}
+              "extract": groups, "train": 1, "export": 1, "evaluate": 1, "evaluate_gate": 1, "run_report": 1, "all": 1}
     assert plan == expect, plan
 
     out = proc.stdout + proc.stderr

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
+from dflash_pipeline.hidden_states.group_stats import read_shard_stats
+from dflash_pipeline.hidden_states.reader import HiddenStateShardReader, shard_files
+from dflash_pipeline.settings.job_groups import JobGroups
 from workflow_runs import make_workdir, planned, snakemake
 
 pytestmark = pytest.mark.slow
@@ -40,22 +42,27 @@ def test_plan_then_extract_one_shard(tiny_target, tmp_path):
     shards = [s["shard"] for s in json.loads((wd / "results" / "ingest" / "manifest.json").read_text())["shards"]
               if s["src"] == json.loads((wd / "results" / "ingest" / "manifest.json").read_text())["shards"][0]["src"]]
     assert len(shards) == 2 and shard in shards
-    dry = planned(_snakemake(wd, "-n", *[f"results/hidden/{s}.dfhs" for s in shards]))
+    group = f"results/hidden/groups/{JobGroups('x', 2).of(shard)}"
+    dry = planned(_snakemake(wd, "-n", group, f"{group}.stats.json"))
     # one job (one target load) for the group; the gate of the training data first
-    assert dry == {"audit": 1, "gate": 1, "extract": 1, "hidden_from_group": 2}, dry
-    _snakemake(wd, *[f"results/hidden/{s}.dfhs" for s in shards])
-    group = wd / "results" / "hidden" / "groups"
-    (group_dir,) = list(group.iterdir())
-    for s in shards:  # each shard's file is the group's, linked out (no copy of the states)
-        assert (wd / "results" / "hidden" / f"{s}.dfhs").stat().st_ino == (group_dir / f"{s}.dfhs").stat().st_ino
+    assert dry == {"audit": 1, "gate": 1, "extract": 1}, dry
+    _snakemake(wd, group)
+    group_dir = wd / group
+    assert sorted(p.name for p in group_dir.glob("*.dfhs")) == [f"{s}.dfhs" for s in shards]
     assert json.loads((group_dir / f"{shards[1]}.stats.json").read_text())["job"]["shards"] == 2
-    assert planned(_snakemake(wd, "-n", *[f"results/hidden/{s}.dfhs" for s in shards])) == {}
-    r = HiddenStateShardReader(wd / "results" / "hidden" / f"{shard}.dfhs")
+    # every shard's stats beside the directory (what the plan and the report read, never the states)
+    rows = dict(read_shard_stats([wd / f"{group}.stats.json"]))
+    assert list(rows) == shards and rows[shards[1]] == json.loads((group_dir / f"{shards[1]}.stats.json").read_text())
+    assert planned(_snakemake(wd, "-n", group)) == {}
+    # the trainer's input is the directory: its shards in shard order
+    assert shard_files([group_dir]) == [str(group_dir / f"{s}.dfhs") for s in shards]
+    r = HiddenStateShardReader(group_dir / f"{shard}.dfhs")
     assert r.metadata["target_layer_ids"] == plan["target_layer_ids"]
     assert r.metadata["hidden_size"] == 128 and len(r) > 0
     first = r.read(0)
     assert first["hidden"].shape == (len(first["input_ids"]), len(plan["target_layer_ids"]), 128)
     assert first["loss_mask"].sum() > 0
-    stats = json.loads((wd / "results" / "hidden" / f"{shard}.stats.json").read_text())
+    stats = rows[shard]
     assert stats["samples"] == len(r) and stats["compression_vs_bf16"] < 0.8
-    assert not list((wd / "results" / "hidden").glob("*.partial")) and not list(group.glob("*.partial"))
+    assert not list((wd / "results" / "hidden").glob("*.partial")) and not list(group_dir.parent.glob("*.partial"))
+    assert not list((wd / "results" / "hidden").glob("*.dfhs"))  # nothing linked or copied out of the group

@@ -290,6 +290,35 @@ def test_hidden_verify_command_deletes_only_damaged_shards(tmp_path):
     assert run_cli("hidden-verify", good).returncode == 0
 
 
+def test_hidden_verify_of_a_group_directory_removes_the_groups_stats_so_the_group_is_redone(tmp_path):
+    """The workflow's extraction output is a group directory plus the group's stats file: a damaged shard in it
+    takes the group's stats with it (the job's output goes missing: snakemake redoes that group, not others)."""
+    from conftest import run_cli
+
+    from dflash_pipeline.hidden_states.group_stats import write_group_stats
+
+    groups = tmp_path / "hidden" / "groups"
+    ok_dir, bad_dir = groups / "src-x00000", groups / "src-x00001"
+    for d, names in ((ok_dir, ("src-00000", "src-00001")), (bad_dir, ("src-00002", "src-00003"))):
+        d.mkdir(parents=True)
+        for name in names:
+            _write(d / f"{name}.dfhs", _samples(n=2))
+        write_group_stats(str(d) + ".stats.json", {name: {"samples": 2} for name in names})
+    bad = bad_dir / "src-00003.dfhs"
+    data = bytearray(bad.read_bytes())
+    data[200] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    proc = run_cli("hidden-verify", ok_dir, bad_dir, "--delete-damaged", check=False)
+    assert proc.returncode == 1 and "3 ok, 1 damaged" in proc.stdout, proc.stdout
+    assert not bad.exists() and not (groups / "src-x00001.stats.json").exists()
+    assert (bad_dir / "src-00002.dfhs").exists()  # the rest of the group stays until its job redoes it
+    assert (groups / "src-x00000.stats.json").exists() and len(list(ok_dir.glob("*.dfhs"))) == 2
+    empty = groups / "src-x00009"
+    empty.mkdir()
+    proc = run_cli("hidden-verify", empty, check=False)
+    assert proc.returncode != 0 and "a directory without hidden-state shards" in proc.stdout + proc.stderr
+
+
 # -- hostile files: sizes a file claims are checked before anything is allocated
 
 

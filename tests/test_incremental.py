@@ -8,7 +8,6 @@ change to one stage's parameters reruns that stage and what depends on it, and a
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 import os
 import re
@@ -253,22 +252,22 @@ def _expected(change, shards: int) -> dict[str, int]:
     """Jobs per rule the change must run, with `shards` shards in the finished run (tiny config: 2)."""
     # one extraction job per group of extract.shards_per_job shards of a raw file; the tiny config's raw files
     # hold one shard each, so a group is a shard here; and so for shard, tokenize and generate (one job per group,
-    # then a local job per shard that links its files out)
+    # then a local job per shard that links its files out; training reads the extraction groups themselves)
     one_shard = {"shard": 1, "shard_from_group": 1, "tokenize": 2, "tokens_from_group": 2, "generate": 1,
-                 "completions_from_group": 1, "extract": 1, "hidden_from_group": 1}
+                 "completions_from_group": 1, "extract": 1}
     return {
         "add_raw_file": {"ingest": 1, "manifest": 1, **one_shard, **AGGREGATES, **TRAIN_ONWARDS},
         "change_one_record": {"ingest": 1, "manifest": 1, **one_shard, **AGGREGATES, **TRAIN_ONWARDS},
         "rewrite_verdicts": {"gate": 2, "generation_gate": 1, "run_report": 1, "all": 1},
         "train_lr": TRAIN_ONWARDS,
-        "extract_codec": {"plan": 1, "generation_gate": 1, "extract": shards, "hidden_from_group": shards,
+        "extract_codec": {"plan": 1, "generation_gate": 1, "extract": shards,
                           **TRAIN_ONWARDS},
         # the plan resolves the layer ids; extract and train take them from it (a param, in one invocation)
-        "target_layers": {"plan": 1, "generation_gate": 1, "extract": shards, "hidden_from_group": shards,
+        "target_layers": {"plan": 1, "generation_gate": 1, "extract": shards,
                           **TRAIN_ONWARDS},
         "max_new_tokens": {"calibrate": 1, "plan": 1, "generation_gate": 1, "generate": shards,
                            "completions_from_group": shards, "tokenize": shards, "tokens_from_group": shards,
-                           "audit": 1, "gate": 1, "extract": shards, "hidden_from_group": shards, **TRAIN_ONWARDS},
+                           "audit": 1, "gate": 1, "extract": shards, **TRAIN_ONWARDS},
     }[change.__name__]
 
 
@@ -301,7 +300,7 @@ def test_one_invocation_redoes_exactly_what_the_change_invalidates(pristine, tmp
         if sample_identity(str(work / "results/calibration/sample.parquet")) != sample_before:
             expected["calibrate"] = 1
     rest = planned(snakemake(work, "-n", configfiles=configs))
-    assert set(rest) <= set(TRAIN_ONWARDS) | {"extract", "hidden_from_group"}, rest
+    assert set(rest) <= set(TRAIN_ONWARDS) | {"extract"}, rest
     if trains:  # training ran after the change (and, for extract_codec, the new extraction it reads)
         assert jobs.get("train") == 1 and "extract" not in rest, (jobs, rest)
     else:

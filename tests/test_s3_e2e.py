@@ -73,6 +73,11 @@ def test_pipeline_on_s3(s3_server, tmp_path, tiny_target):
                     f"results/tokens/regenerated/{shard}.parquet"):
             assert key in objects, key
     assert any(k.startswith("results/train/drafter/") for k in objects)
+    # the hidden states are stored once, in the extraction groups the training job read: none copied out of them
+    # (a copy would also have gone down to this machine and up again)
+    hidden = [k for k in objects if k.startswith("results/hidden/")]
+    assert any(k.endswith(".dfhs") for k in hidden), hidden
+    assert all(k.startswith("results/hidden/groups/") for k in hidden), hidden
     # locally only the resume state that is not a declared output (generation journals, training
     # checkpoints); the journals are mirrored to S3 beside the completions
     local = {p.relative_to(workdir).as_posix() for p in (workdir / "results").rglob("*") if p.is_file()}

@@ -80,7 +80,7 @@ def test_pipeline_through_slurm_profile(slurm_cluster, tmp_path, tiny_target):
     # while no job ended), and each job pays a Snakemake start-up inside it: a SLURM job costs 33-64 s here
     # whatever its stage. So the test submits fewer: the demo's raw file (what the demo_data rule writes: the
     # tiny target is already in place the same way) is made by the local profile first. The jobs that link a
-    # group's shards out (shard_from_group, tokens_from_group, completions_from_group, hidden_from_group) are
+    # group's shards out (shard_from_group, tokens_from_group, completions_from_group) are
     # local rules: they run here, beside Snakemake, and never queue.
     snakemake(workdir, "data/demo/sharegpt_part2.jsonl.gz", "--cores", "1", configfiles=configs)
     before = set(_slurm_jobs())
@@ -106,7 +106,7 @@ def test_pipeline_through_slurm_profile(slurm_cluster, tmp_path, tiny_target):
     assert {"ingest", "manifest", "shard", "tokenize", "audit", "calibrate", "generate", "extract", "train",
             "evaluate"} <= set(jobs), sorted(jobs)
     assert "demo_data" not in jobs and "tiny_target" not in jobs  # made before (above)
-    linked = {"shard_from_group", "tokens_from_group", "completions_from_group", "hidden_from_group"}
+    linked = {"shard_from_group", "tokens_from_group", "completions_from_group"}
     assert not linked & set(jobs), sorted(jobs)  # local rules: never submitted
     assert len(jobs["tokenize"]) == len(jobs["audit"]) == 2  # the source dataset and the regenerated one
     for rule in ("calibrate", "generate", "train", "evaluate", "extract"):

@@ -131,9 +131,9 @@ class HiddenSource:
 
     def __init__(self, paths: list[str], target_layer_ids: list[int], holdout_fraction: float = 0.0,
                  max_length: int | None = None, keep: str = "train"):
-        from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
+        from dflash_pipeline.hidden_states.reader import HiddenStateShardReader, shard_files
 
-        self.paths = [str(p) for p in paths]
+        self.paths = shard_files(paths)  # an extraction group's directory: its shards
         self.max_length = max_length
         self.readers = [HiddenStateShardReader(p) for p in self.paths]
         self.index: list[tuple[int, int]] = []

@@ -62,7 +62,8 @@ log = logging.getLogger("dflash_pipeline.drafter.train")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["offline", "online"], required=True)
-    p.add_argument("--inputs", nargs="+", required=True, help="hidden-state shards (offline) or token shards (online)")
+    p.add_argument("--inputs", nargs="+", required=True,
+                   help="hidden-state shards or extraction group directories (offline), token shards (online)")
     p.add_argument("--model", required=True, help="target model directory (embedding, LM head, config; online: all)")
     p.add_argument("--out", required=True, help="output directory (written atomically at the end)")
     p.add_argument("--checkpoint-dir", required=True, help="resumable checkpoints and the live metrics log")

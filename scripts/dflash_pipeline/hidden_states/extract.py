@@ -28,6 +28,7 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.hidden_states.batching import Batch, copy_to_host, to_host_layout, token_budget_batches
 from dflash_pipeline.hidden_states.capture import LayerCapture
 from dflash_pipeline.hidden_states.compile_choice import should_compile
+from dflash_pipeline.hidden_states.group_stats import shard_name, write_group_stats
 from dflash_pipeline.hidden_states.host_pipeline import HostPipeline
 from dflash_pipeline.hidden_states.layout import CODECS, STORED_DTYPES
 from dflash_pipeline.hidden_states.writer import HiddenStateShardWriter
@@ -344,6 +345,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", nargs="+", required=True, help="hidden-state shard to write (.dfhs), one per --tokens")
     p.add_argument("--stats", nargs="*", default=None,
                    help="JSON with tokens, bytes, throughput of each shard, one per --tokens")
+    p.add_argument("--group-stats", help="the same stats of every shard in one file, written once all are done "
+                                         "(what the plan and the report read: hidden_states/group_stats.py)")
     p.add_argument("--target-layer-ids", type=int, nargs="+",
                    help="the target's layer ids (the workflow passes the plan's); default: spread for --num-layers")
     p.add_argument("--num-layers", type=int, help="the drafter's layers (their target layers when no ids are given)")
@@ -372,5 +375,8 @@ def settings_from_args(args) -> ExtractSettings:
 
 
 def run(args) -> int:
-    extract_shards(args.tokens, args.model, args.out, settings_from_args(args), stats_paths=args.stats or None)
+    results = extract_shards(args.tokens, args.model, args.out, settings_from_args(args),
+                             stats_paths=args.stats or None)
+    if args.group_stats:
+        write_group_stats(args.group_stats, {shard_name(out): stats for out, stats in zip(args.out, results)})
     return 0

@@ -24,6 +24,7 @@ from dflash_pipeline.hidden_states.codec import bounded_decompress, decode_hidde
 from dflash_pipeline.hidden_states.layout import (
     CODECS,
     EXPANSION_FLOOR,
+    FILE_EXTENSION,
     FOOTER,
     FOOTER_MAGIC,
     HEADER,
@@ -40,6 +41,22 @@ from dflash_pipeline.hidden_states.layout import (
     expected_raw_lengths,
     index_limit,
 )
+
+
+def shard_files(paths) -> list[str]:
+    """The hidden-state shards that `paths` name: a file as itself, a local directory (an extraction group's, the
+    workflow's train input) as its shards in name order, which is their shard order. A directory without one is
+    an error naming it: a training run never goes on with part of its data missing."""
+    files: list[str] = []
+    for path in map(str, paths):
+        if "://" not in path and os.path.isdir(path):
+            found = sorted(e.path for e in os.scandir(path) if e.name.endswith(FILE_EXTENSION) and e.is_file())
+            if not found:
+                raise ShardFormatError(f"{path}: a directory without hidden-state shards (*{FILE_EXTENSION})")
+            files += found
+        else:
+            files.append(path)
+    return files
 
 
 def file_key(path: str) -> tuple:

@@ -12,8 +12,9 @@ import os
 
 from dflash_pipeline import storage
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.hidden_states.group_stats import KIND as GROUP_STATS_KIND
 from dflash_pipeline.hidden_states.layout import ShardFormatError
-from dflash_pipeline.hidden_states.reader import HiddenStateShardReader
+from dflash_pipeline.hidden_states.reader import HiddenStateShardReader, shard_files
 
 
 def verify_shard(path: str) -> str | None:
@@ -29,23 +30,38 @@ def verify_shard(path: str) -> str | None:
     return None
 
 
+def _group_stats(path: str) -> str | None:
+    """The stats file of the extraction group whose directory holds `path` (the extract job's second output),
+    or None for a shard outside one."""
+    candidate = os.path.dirname(os.path.abspath(path)) + ".stats.json"
+    try:
+        return candidate if storage.read_json(candidate).get("kind") == GROUP_STATS_KIND else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _delete(path: str) -> None:
-    for p in (path, os.path.splitext(path)[0] + ".stats.json"):
-        if os.path.exists(p):
+    # a shard in a group directory: the group's stats go too, so that the group's job is missing an output and
+    # `snakemake` redoes that group (the directory itself is the job's output, whole or not at all)
+    for p in (path, os.path.splitext(path)[0] + ".stats.json", _group_stats(path)):
+        if p and os.path.exists(p):
             os.remove(p)
     print(f"deleted  {path}")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("paths", nargs="+", help="hidden-state shards (.dfhs), local or s3://")
+    p.add_argument("paths", nargs="+",
+                   help="hidden-state shards (.dfhs), local or s3://, or extraction group directories (their shards)")
     p.add_argument("--delete-damaged", action="store_true",
-                   help="delete damaged local shards (and their .stats.json) so that `snakemake` redoes exactly "
-                        "those; only after every shard was checked, and never when one could not be read")
+                   help="delete damaged local shards (and their .stats.json; in a group directory the group's "
+                        "stats) so that `snakemake` redoes exactly those groups; only after every shard was checked, "
+                        "and never when one could not be read")
 
 
 def run(args) -> int:
     damaged = []
-    for path in args.paths:
+    paths = shard_files(args.paths)
+    for path in paths:
         why = verify_shard(path)
         if why is None:
             print(f"ok       {path}")
@@ -56,5 +72,5 @@ def run(args) -> int:
         for path in damaged:
             if not storage.is_s3(path):
                 _delete(path)
-    print(f"{len(args.paths) - len(damaged)} ok, {len(damaged)} damaged")
+    print(f"{len(paths) - len(damaged)} ok, {len(damaged)} damaged")
     return 1 if damaged else 0

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from dflash_pipeline import settings, storage
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.hidden_states.group_stats import read_shard_stats
 from dflash_pipeline.planning import evaluate_rates
 from dflash_pipeline.planning.projection import (
     RunShape, assumed_calibration, fmt_hours, gate_failures, project_generation, render_generation,
@@ -75,17 +76,16 @@ def token_stats(paths) -> dict:
 
 
 def measured(stats_glob: str | None):
-    files = sorted(glob.glob(stats_glob)) if stats_glob else []
+    rows = read_shard_stats(sorted(glob.glob(stats_glob))) if stats_glob else []
     tok = secs = stored = raw = 0
-    for f in files:
-        s = storage.read_json(f)
+    for _, s in rows:
         tok += (s.get("this_run") or s).get("tokens", 0)  # the tokens of the run that took seconds_extract
         secs += s.get("seconds_extract") or 0
         stored += s.get("stored_bytes", 0)
         raw += s.get("raw_bf16_bytes", 0)
     if not tok or not secs:
         return None
-    return {"shards": len(files), "tok_s": tok / secs, "ratio": stored / raw if raw else None}
+    return {"shards": len(rows), "tok_s": tok / secs, "ratio": stored / raw if raw else None}
 
 
 def human_bytes(n: float) -> str:
@@ -281,7 +281,7 @@ def render(plan: dict, shape: dict, layer_ids, disk_warn_bytes: float | None = N
             f"  WARNING: the hidden states take {human_bytes(hb)}"
             + (" - tens of terabytes" if hb >= 10 * TB else "") + ". Before starting, consider:",
             f"    - fewer samples: every 10% fewer samples saves {human_bytes(hb * 0.1)}",
-            f"    - a lower tokenize.max_length (fewer tokens per sample; long samples dominate)",
+            "    - a lower tokenize.max_length (fewer tokens per sample; long samples dominate)",
             f"    - extract.codec: fp8 (lossy, e4m3 + per-row scale): {human_bytes(plan['hidden_bytes_fp8'])}",
             "    - online training: compute the target's features inside the training step instead of storing them "
             f"(no storage; costs a target forward per sample per epoch, ~{plan['extract_gpu_hours'] * plan['train_epochs']:.0f} "
@@ -294,7 +294,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", nargs="+", required=True, help="token shards (the source dataset)")
     p.add_argument("--model", required=True, help="target model directory (its config.json)")
     p.add_argument("--config", default="{}", help="JSON of the config sections generate, tokenize, extract, drafter, train")
-    p.add_argument("--hidden-stats", help="glob of extracted shards' .stats.json (measured throughput, compression)")
+    p.add_argument("--hidden-stats", help="glob of extraction groups' (or shards') .stats.json (measured throughput, "
+                                             "compression)")
     p.add_argument("--scale", type=float, default=1.0, help="extrapolate to a dataset this many times larger")
     p.add_argument("--calibration", nargs="?", default=None, help="a generation calibration (`dflash-pipeline "
                    "calibrate`): project the full generation from its measured figures (no value: none)")

@@ -18,6 +18,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
+from dflash_pipeline.hidden_states.group_stats import read_shard_stats
 from dflash_pipeline.report import summary_page as page
 from dflash_pipeline.storage import atomic_path
 
@@ -103,7 +104,7 @@ def extraction_figure(stats: list[str], out: Path) -> dict:
     if not stats:
         _placeholder(out, "Extraction", "no hidden-state shards in this configuration (train.mode: online)")
         return {}
-    rows = [(_shard_name(p), _read_json(p)) for p in sorted(stats)]
+    rows = read_shard_stats(stats)
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
     names = [n for n, _ in rows]
@@ -273,7 +274,7 @@ def _not_comparable(plan: dict, devices: list[str]) -> str | None:
 
 
 def extraction_vs_plan(plan: dict, stats: list[str], bench_dir: str | None, gpus: float = 1) -> list[list]:
-    rows = [_read_json(p) for p in stats]
+    rows = [s for _, s in read_shard_stats(stats)]
     if not rows:
         return []
     tokens = sum(s.get("tokens", 0) for s in rows)
@@ -303,7 +304,7 @@ def plan_vs_actual(plan_path: str | None, cal_path: str | None, summaries: list[
         rows += extraction_vs_plan(plan, stats, bench_dir, extract_gpus)
         actual = _gpu_hours(bench_dir, "train", train_gpus)
         if plan.get("train_gpu_hours") is not None and actual is not None:
-            devices = sorted({str(_read_json(p).get("device")) for p in stats})
+            devices = sorted({str(s.get("device")) for _, s in read_shard_stats(stats)})
             note = _not_comparable(plan, devices)
             rows.append(["training", "GPU-hours (job-hours x GPUs per job)", plan["train_gpu_hours"], actual,
                          None if note else _ratio(actual, plan["train_gpu_hours"]), note])
@@ -359,7 +360,7 @@ def write_summary(out_dir: Path, sections: dict[str, dict], versus: list[list]) 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generation", nargs="*", default=[], help="completions/*.summary.json")
-    p.add_argument("--extraction", nargs="*", default=[], help="hidden/*.stats.json")
+    p.add_argument("--extraction", nargs="*", default=[], help="hidden/groups/*.stats.json (each extraction group's)")
     p.add_argument("--train", default=None, help="the trained drafter directory (its metrics.jsonl)")
     p.add_argument("--evaluate", default=None, help="evaluate/report.json")
     p.add_argument("--benchmarks", default=None, help="the run's benchmarks directory")

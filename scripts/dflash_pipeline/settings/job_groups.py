@@ -17,6 +17,10 @@ class JobGroups:
         src, k = shard.rsplit("-", 1)
         return f"{src}-{self.letter}{int(k) // self.size:05d}"
 
+    def groups(self, shards) -> list[str]:
+        """The groups of `shards`, each once, in the order of their first shard."""
+        return list(dict.fromkeys(self.of(s) for s in shards))
+
     def members(self, group: str, shards) -> list[str]:
         """The shards of `group` among `shards` (the manifest's), in their order. Input functions ask once per
         group and rule with the same shard list: it is indexed once (a scan per call was shards x groups)."""
