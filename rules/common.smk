@@ -7,6 +7,7 @@ from dflash_pipeline.demo.paths import demo_builds_target, demo_data_files, demo
 from dflash_pipeline.generation.sglang_flags import version as sglang_flags_version
 from dflash_pipeline.planning import preflight
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.hidden_states.group_stats import adopt_groups
 from dflash_pipeline.target_import.gguf import IMPORTED_FILES
 from dflash_pipeline.settings.config_paths import ConfigPaths
 from dflash_pipeline.settings.job_groups import JobGroups, link_out

@@ -10,6 +10,10 @@
 # settings: extract.py resume_key) and resumes the one it was writing from its journal. A changed shard
 # redoes its group's job; the other groups are not touched.
 
+# groups extracted before their stats file existed get it now, from their shards' stats: not extracted again
+for adopted in adopt_groups(os.path.join(R, "hidden/groups")):
+    print(f"extraction group of an earlier version kept: {adopted} written from its shards' stats", file=sys.stderr)
+
 
 rule preview:
     # the cost preview: CPU jobs only (ingest, tokenize, this), generation priced from config generate.assumed
