@@ -31,10 +31,8 @@ def _read_json(path):
 
 
 def _shard_name(path: str) -> str:
-    name = Path(path).name
-    for suffix in (".summary.json", ".stats.json"):
-        name = name.removesuffix(suffix)
-    return name.removesuffix(".dfhs")
+    """A generation summary's shard (extraction's rows are named by read_shard_stats)."""
+    return Path(path).name.removesuffix(".summary.json")
 
 
 def _plt():
@@ -273,8 +271,8 @@ def _not_comparable(plan: dict, devices: list[str]) -> str | None:
     return "not comparable: the plan's rate is a GPU's (scaled from one H200); this run ran on CPU"
 
 
-def extraction_vs_plan(plan: dict, stats: list[str], bench_dir: str | None, gpus: float = 1) -> list[list]:
-    rows = [s for _, s in read_shard_stats(stats)]
+def extraction_vs_plan(plan: dict, rows: list[dict], bench_dir: str | None, gpus: float = 1) -> list[list]:
+    """`rows`: every extracted shard's stats (read_shard_stats)."""
     if not rows:
         return []
     tokens = sum(s.get("tokens", 0) for s in rows)
@@ -301,10 +299,11 @@ def plan_vs_actual(plan_path: str | None, cal_path: str | None, summaries: list[
     cal = _read_json(cal_path) if cal_path and os.path.exists(cal_path) else {}
     rows = generation_vs_calibration(plan, cal, summaries, bench_dir) if cal else []
     if plan:
-        rows += extraction_vs_plan(plan, stats, bench_dir, extract_gpus)
+        shard_stats = [s for _, s in read_shard_stats(stats)]  # read once: extraction's rows and its devices
+        rows += extraction_vs_plan(plan, shard_stats, bench_dir, extract_gpus)
         actual = _gpu_hours(bench_dir, "train", train_gpus)
         if plan.get("train_gpu_hours") is not None and actual is not None:
-            devices = sorted({str(s.get("device")) for _, s in read_shard_stats(stats)})
+            devices = sorted({str(s.get("device")) for s in shard_stats})
             note = _not_comparable(plan, devices)
             rows.append(["training", "GPU-hours (job-hours x GPUs per job)", plan["train_gpu_hours"], actual,
                          None if note else _ratio(actual, plan["train_gpu_hours"]), note])
